@@ -1,0 +1,8 @@
+"""stepscope: where does my PyTorch training step time go, and what is the one thing to fix first?"""
+
+from stepscope.scope import NULL_SCOPE, NullScope, Scope
+from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
+
+__version__ = "0.1.0"
+
+__all__ = ["NULL_SCOPE", "Fix", "NullScope", "PhaseStats", "RunSummary", "Scope", "SummaryError", "Verdict", "__version__"]

@@ -1,0 +1,169 @@
+"""Host and device clocks.
+
+Host work is timed with ``time.perf_counter_ns``. GPU work is timed with pairs of device events recorded on the
+current stream around a phase; an event pair is read only once ``query()`` says the GPU has passed both, so
+timing never waits on the device. Steps whose events are still in flight stay pending and are harvested at a
+later step. The event source is a seam: ``CudaEvents`` in real runs, a fake in the CPU unit tests.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+Clock = Callable[[], int]
+"""A monotonic clock returning nanoseconds."""
+
+now_ns: Clock = time.perf_counter_ns
+
+
+class DeviceEvent(Protocol):
+    """The subset of ``torch.cuda.Event`` that device timing uses."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: Any) -> float: ...  # milliseconds, as torch reports it
+
+
+class EventSource(Protocol):
+    """Makes device events and can wait for the device once, outside the training loop."""
+
+    def new_event(self) -> DeviceEvent: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaEvents:
+    """Timing events on the current CUDA stream."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+
+    def new_event(self) -> DeviceEvent:
+        return self._torch.cuda.Event(enable_timing=True)
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize()
+
+
+def cuda_in_use() -> bool:
+    """True when this process has already initialised CUDA (a model or tensor is on a GPU).
+
+    Checked without importing torch, so that a script that never touched torch pays nothing.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+Interval = tuple[str, DeviceEvent, DeviceEvent]
+
+
+class HostOnly:
+    """The device timer used on CPU and during warm-up: records nothing, harvests nothing."""
+
+    pending_steps = 0
+    dropped_steps = 0
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, phase: str, start: Any) -> None:
+        return None
+
+    def close_step(self, token: Any) -> None:
+        return None
+
+    def harvest(self) -> list[tuple[Any, dict[str, float]]]:
+        return []
+
+    def drain(self) -> list[tuple[Any, dict[str, float]]]:
+        return []
+
+
+HOST_ONLY = HostOnly()
+
+
+class DeviceTimer:
+    """Device time per phase from event pairs, harvested without ever blocking the host.
+
+    ``start``/``stop`` bracket a phase; ``close_step(token)`` hands the step's event pairs to the pending queue;
+    ``harvest()`` returns ``(token, {phase: seconds})`` for every pending step whose events have all completed,
+    in any order, and recycles their events. ``drain()`` synchronises once and harvests everything: call it only
+    outside the training loop. At most ``max_pending_steps`` steps wait; beyond that the oldest is dropped (and
+    counted), which bounds memory if events never complete.
+    """
+
+    def __init__(self, source: EventSource, max_pending_steps: int = 256) -> None:
+        self._source = source
+        self._pool: list[DeviceEvent] = []
+        self._intervals: list[Interval] = []
+        self._pending: deque[tuple[Any, list[Interval]]] = deque()
+        self._max_pending = max_pending_steps
+        self.dropped_steps = 0
+
+    @property
+    def pending_steps(self) -> int:
+        return len(self._pending)
+
+    def _event(self) -> DeviceEvent:
+        event = self._pool.pop() if self._pool else self._source.new_event()
+        event.record()
+        return event
+
+    def start(self) -> DeviceEvent:
+        return self._event()
+
+    def stop(self, phase: str, start: DeviceEvent) -> None:
+        self._intervals.append((phase, start, self._event()))
+
+    def close_step(self, token: Any) -> None:
+        if not self._intervals:
+            return
+        self._pending.append((token, self._intervals))
+        self._intervals = []
+        if len(self._pending) > self._max_pending:
+            _, intervals = self._pending.popleft()
+            self._recycle(intervals)
+            self.dropped_steps += 1
+
+    def _recycle(self, intervals: list[Interval]) -> None:
+        for _, start, end in intervals:
+            self._pool.append(start)
+            self._pool.append(end)
+
+    def harvest(self) -> list[tuple[Any, dict[str, float]]]:
+        done: list[tuple[Any, dict[str, float]]] = []
+        still: deque[tuple[Any, list[Interval]]] = deque()
+        for token, intervals in self._pending:
+            # The last end event is the likeliest to be outstanding: test it first.
+            if all(end.query() and start.query() for _, start, end in reversed(intervals)):
+                done.append((token, _device_seconds(intervals)))
+                self._recycle(intervals)
+            else:
+                still.append((token, intervals))
+        self._pending = still
+        return done
+
+    def drain(self) -> list[tuple[Any, dict[str, float]]]:
+        if self._pending:
+            self._source.synchronize()
+        return self.harvest()
+
+
+def _device_seconds(intervals: list[Interval]) -> dict[str, float]:
+    seconds: dict[str, float] = {}
+    for phase, start, end in intervals:
+        seconds[phase] = seconds.get(phase, 0.0) + start.elapsed_time(end) / 1e3
+    return seconds

@@ -1,0 +1,85 @@
+"""The per-phase table of a RunSummary, in the style of a profile_step report.
+
+rich renders it; on a terminal with colour, in plain text (no colour, ASCII-safe box) when the output is not a
+TTY or ``CI`` is set, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import IO
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from stepscope.record import TOTAL
+from stepscope.summary import RunSummary
+
+
+def _console(file: IO[str] | None) -> Console:
+    file = file or sys.stdout
+    plain = bool(os.environ.get("CI")) or not (hasattr(file, "isatty") and file.isatty())
+    if plain:
+        return Console(file=file, force_terminal=False, color_system=None, highlight=False, width=110)
+    return Console(file=file, highlight=False)
+
+
+def _fmt_ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def phase_table(summary: RunSummary) -> Table:
+    """The phase | mean | median | p95 | share table (plus GPU columns when CUDA-timed)."""
+    cuda = summary.meta.timing == "cuda"
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("phase")
+    for header in ("mean ms", "median ms", "p95 ms", "share"):
+        table.add_column(header, justify="right")
+    if cuda:
+        table.add_column("gpu mean ms", justify="right")
+        table.add_column("gpu share", justify="right")
+    for name, stats in summary.phases.items():
+        label = f"  {name}" if stats.nested else name
+        row = [
+            label,
+            _fmt_ms(stats.mean_ms),
+            _fmt_ms(stats.median_ms),
+            _fmt_ms(stats.p95_ms),
+            f"{100 * stats.share:.1f}%",
+        ]
+        if cuda:
+            row.append(_fmt_ms(stats.device_mean_ms))
+            row.append("-" if stats.device_share is None else f"{100 * stats.device_share:.1f}%")
+        table.add_row(*row, end_section=name == list(summary.phases)[-2] if TOTAL in summary.phases else False)
+    return table
+
+
+def throughput_line(summary: RunSummary) -> str:
+    """One line: steps/s, samples/s, how many steps were measured and skipped."""
+    t = summary.throughput
+    parts = []
+    if t.steps_per_s is not None:
+        parts.append(f"{t.steps_per_s:.2f} steps/s")
+    if t.samples_per_s is not None:
+        parts.append(f"{t.samples_per_s:.1f} samples/s")
+    rate = ", ".join(parts) or "no rate"
+    return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup})"
+
+
+def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
+    """Print the phase table, throughput, verdict and notes of a summary."""
+    console = _console(file)
+    timing = "CUDA events (gpu columns) + host clock" if summary.meta.timing == "cuda" else "host clock"
+    console.print(f"stepscope · {summary.meta.command or 'run'} · {summary.meta.device} · timing: {timing}")
+    if summary.phases:
+        console.print(phase_table(summary))
+        console.print(throughput_line(summary))
+        verdict = summary.verdict
+        evidence = f" ({'; '.join(verdict.evidence)})" if verdict.evidence else ""
+        console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
+    for note in summary.notes:
+        console.print(f"note: {note}", markup=False)

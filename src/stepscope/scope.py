@@ -1,0 +1,373 @@
+"""Scope: the user-facing recorder of a training loop, and the null object it becomes when disabled.
+
+``Scope(enabled=False)`` (or ``STEPSCOPE=0`` in the environment) returns ``NULL_SCOPE``: ``phase()`` hands back
+one shared no-op context manager, ``data()`` returns the iterable itself, ``step()`` does nothing, so a disabled
+scope costs one method call per phase and allocates nothing.
+
+An enabled scope times host work with the clock and, once CUDA is in use, brackets each phase with device events
+that are read only after they complete (see clock.py): it never synchronises inside the loop. Any error inside
+stepscope is logged once and stops measurement; the training loop goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import socket
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
+from stepscope.record import DATA_PHASE, OTHER_PHASE, Recorder, StepRecord, summarize
+from stepscope.summary import Meta, RunSummary
+
+log = logging.getLogger("stepscope")
+
+T = TypeVar("T")
+
+TIMINGS = ("auto", "host", "cuda")
+
+
+def env_enabled(enabled: bool) -> bool:
+    """``STEPSCOPE=1``/``0`` in the environment overrides the ``enabled`` argument."""
+    value = os.environ.get("STEPSCOPE", "").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    return bool(enabled)
+
+
+class _NullPhase:
+    """The shared no-op context manager a disabled scope hands out."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+NULL_PHASE = _NullPhase()
+
+
+class NullScope:
+    """A disabled Scope: same methods, no work, no allocation."""
+
+    enabled = False
+
+    def phase(self, name: str) -> _NullPhase:
+        return NULL_PHASE
+
+    def data(self, iterable: Iterable[T]) -> Iterable[T]:
+        return iterable
+
+    def step(self, batch_size: int | None = None) -> None:
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def postfix(self) -> str:
+        return ""
+
+    def summary(self) -> RunSummary:
+        return RunSummary(notes=["stepscope was disabled: nothing was measured."])
+
+    def print_table(self, file: Any = None) -> None:
+        return None
+
+
+NULL_SCOPE = NullScope()
+
+
+class _Phase:
+    """A reusable context manager timing one named phase; re-entrant through its own stack of starts."""
+
+    __slots__ = ("_name", "_scope", "_starts")
+
+    def __init__(self, scope: Scope, name: str) -> None:
+        self._scope = scope
+        self._name = name
+        self._starts: list[tuple[int, Any]] = []
+
+    def __enter__(self) -> None:
+        scope = self._scope
+        t0 = scope._clock()
+        if scope._step_start_ns is None:
+            scope._step_start_ns = t0
+        scope._depth += 1
+        try:
+            event = scope._device.start()
+        except Exception as error:
+            event = None
+            scope._fail(error)
+        self._starts.append((t0, event))
+
+    def __exit__(self, *exc: object) -> bool:
+        scope = self._scope
+        t1 = scope._clock()
+        try:
+            t0, event = self._starts.pop()
+            scope._depth -= 1
+            scope._device.stop(self._name, event)
+            scope._add(self._name, t1 - t0)
+        except Exception as error:
+            scope._fail(error)
+        return False
+
+
+class _TimedIterable:
+    """Wraps an iterable so that time spent inside its ``__next__`` is the ``data_wait`` phase."""
+
+    def __init__(self, scope: Scope, iterable: Iterable[Any]) -> None:
+        self._scope = scope
+        self._iterable = iterable
+
+    def __len__(self) -> int:
+        return len(self._iterable)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        scope = self._scope
+        clock = scope._clock
+        iterator = iter(self._iterable)
+        while True:
+            t0 = clock()
+            if scope._step_start_ns is None:
+                scope._step_start_ns = t0
+            try:
+                item = next(iterator)
+            except StopIteration:
+                # The fetch that ends an epoch (worker shutdown) still cost the next step time.
+                scope._add(DATA_PHASE, clock() - t0)
+                return
+            scope._add(DATA_PHASE, clock() - t0)
+            yield item
+
+
+class Scope:
+    """Times the phases of a training loop without perturbing it.
+
+    Args:
+        enabled: False returns the null object ``NULL_SCOPE`` (``STEPSCOPE=1/0`` overrides).
+        warmup: steps to run before measuring (compile, allocator and cuDNN warm-up), >= 0.
+        window: steps in the window behind ``metrics()`` and ``postfix()``.
+        timing: "auto" (CUDA events once CUDA is in use when measuring starts), "host", or "cuda".
+        exact_limit: steps kept exactly for quantiles; past it, quantiles have <= 1% relative error.
+        clock: nanosecond clock (a seam for tests); events: device event source (a seam for tests).
+    """
+
+    enabled = True
+
+    def __new__(cls, enabled: bool = True, **kwargs: Any) -> Any:
+        if not env_enabled(enabled):
+            return NULL_SCOPE
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        warmup: int = 20,
+        window: int = 20,
+        timing: str = "auto",
+        exact_limit: int = 10_000,
+        clock: Clock = now_ns,
+        events: EventSource | None = None,
+    ) -> None:
+        if timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+        if timing == "cuda" and events is None and not _cuda_available():
+            raise ValueError("timing='cuda' needs a CUDA device, and torch sees none: use timing='auto' or 'host'.")
+        self._recorder = Recorder(warmup=warmup, window=window, exact_limit=exact_limit)
+        self._clock = clock
+        self._timing = timing
+        self._events = events
+        self._device: HostOnly | DeviceTimer = HOST_ONLY
+        self._timing_used = "host"
+        self._phases: dict[str, _Phase] = {}
+        self._step_start_ns: int | None = None
+        self._depth = 0
+        self._current: dict[str, int] = {}
+        self._nested: set[str] = set()
+        self._claimed_ns = 0
+        self._failed: str | None = None
+        self._started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        if self._recorder.measuring:
+            self._start_measuring()
+
+    # -- the loop-facing API ------------------------------------------------------------------------------------
+
+    def phase(self, name: str) -> _Phase:
+        """A context manager timing ``name`` (canonical: data_wait, h2d, forward, backward, clip, optimizer,
+        zero_grad, sync; any other name is a custom phase). Phases may nest; a nested phase's time stays in
+        its parent's share and is reported separately. A phase whose body raises still closes."""
+        phase = self._phases.get(name)
+        if phase is None:
+            phase = self._phases[name] = _Phase(self, name)
+        return phase
+
+    def data(self, iterable: Iterable[T]) -> Iterable[T]:
+        """Iterate ``iterable`` (a DataLoader, say), timing each fetch as the ``data_wait`` phase."""
+        return _TimedIterable(self, iterable)
+
+    def step(self, batch_size: int | None = None) -> None:
+        """Close the current step; ``batch_size`` (samples) enables samples/s."""
+        t1 = self._clock()
+        try:
+            self._close_step(t1, batch_size)
+        except Exception as error:
+            self._fail(error)
+
+    # -- reading results ----------------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Live metrics over the last ``window`` measured steps, in seconds and samples/s.
+
+        ``perf/step_time`` (s), ``perf/data_time`` (s in data_wait), ``perf/compute_time`` (s: device time of
+        every other top-level phase when CUDA-timed, counted over the window's harvested steps; host step time
+        minus data time otherwise), ``perf/train_capacity`` (samples/s = batch / step time, when batch size is
+        known). Empty during warm-up.
+        """
+        recent = self._recorder.recent
+        if not recent:
+            return {}
+        n = len(recent)
+        step_s = sum(r.step_s for r in recent) / n
+        data_s = sum(r.phases_s.get(DATA_PHASE, 0.0) for r in recent) / n
+        out = {"perf/step_time": step_s, "perf/data_time": data_s}
+        if self._timing_used == "cuda":
+            harvested = [r.device_s for r in recent if r.device_s is not None]
+            if harvested:
+                compute = [
+                    sum(s for p, s in d.items() if p != DATA_PHASE and p not in self._nested) for d in harvested
+                ]
+                out["perf/compute_time"] = sum(compute) / len(compute)
+        else:
+            out["perf/compute_time"] = step_s - data_s
+        sampled = [r for r in recent if r.samples is not None]
+        sampled_s = sum(r.step_s for r in sampled)
+        if sampled and sampled_s > 0:
+            out["perf/train_capacity"] = sum(r.samples or 0 for r in sampled) / sampled_s
+        return out
+
+    def postfix(self) -> str:
+        """A short progress-bar string, e.g. ``step=412ms data=31% thru=77.6/s``."""
+        recorder = self._recorder
+        if not recorder.measuring or not recorder.recent:
+            return f"warm-up {recorder.steps_seen}/{recorder.warmup}"
+        m = self.metrics()
+        step_s = m["perf/step_time"]
+        data_pct = 100 * m["perf/data_time"] / step_s if step_s > 0 else 0.0
+        capacity = m.get("perf/train_capacity")
+        thru = f"thru={capacity:.1f}/s" if capacity is not None else f"thru={1 / step_s:.2f} step/s"
+        return f"step={step_s * 1e3:.0f}ms data={data_pct:.0f}% {thru}"
+
+    def summary(self) -> RunSummary:
+        """The RunSummary of the measured steps. Reads outstanding device events, synchronising once if any are
+        still in flight: call it after the loop, not inside it."""
+        try:
+            for record, device_s in self._device.drain():
+                self._recorder.add_device(record, device_s)
+        except Exception as error:
+            self._fail(error)
+        summary = summarize(self._recorder, self._timing_used)
+        summary.meta = self._meta()
+        if self._device.dropped_steps:
+            summary.notes.append(
+                f"device time missing for {self._device.dropped_steps} step(s) whose events never completed."
+            )
+        if self._failed:
+            summary.notes.append(f"measurement stopped early after an internal error: {self._failed}")
+        return summary
+
+    def print_table(self, file: Any = None) -> None:
+        """Print the per-phase table of ``summary()`` (rich on a terminal, plain text otherwise)."""
+        from stepscope.report.terminal import print_summary
+
+        print_summary(self.summary(), file=file)
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _add(self, name: str, elapsed_ns: int) -> None:
+        self._current[name] = self._current.get(name, 0) + elapsed_ns
+        if self._depth == 0:
+            self._claimed_ns += elapsed_ns
+        else:
+            self._nested.add(name)
+
+    def _close_step(self, t1: int, batch_size: int | None) -> None:
+        t0 = self._step_start_ns if self._step_start_ns is not None else t1
+        phases_s = {name: ns / 1e9 for name, ns in self._current.items()}
+        phases_s[OTHER_PHASE] = max(t1 - t0 - self._claimed_ns, 0) / 1e9
+        record = StepRecord(
+            index=self._recorder.steps_seen, step_s=(t1 - t0) / 1e9, phases_s=phases_s, samples=batch_size
+        )
+        nested = {n for n in self._nested if n in self._current}
+        self._current = {}
+        self._claimed_ns = 0
+        self._step_start_ns = t1
+        measured = self._recorder.add(record, nested)
+        if measured:
+            self._device.close_step(record)
+            for done, device_s in self._device.harvest():
+                self._recorder.add_device(done, device_s)
+        elif self._recorder.measuring:
+            self._start_measuring()
+
+    def _start_measuring(self) -> None:
+        """Pick device timing when the first measured step begins: by then the model is where it will run."""
+        use_cuda = self._timing == "cuda" or (self._timing == "auto" and (self._events is not None or cuda_in_use()))
+        if use_cuda:
+            self._device = DeviceTimer(self._events or CudaEvents())
+            self._timing_used = "cuda"
+
+    def _fail(self, error: BaseException) -> None:
+        """Stop measuring after an internal error; the training loop must go on."""
+        if self._failed is None:
+            self._failed = f"{type(error).__name__}: {error}"
+            log.warning("stepscope stopped measuring after an internal error (%s); training continues.", self._failed)
+        self._device = HOST_ONLY
+        self.phase = NULL_SCOPE.phase  # type: ignore[method-assign]
+        self.data = NULL_SCOPE.data  # type: ignore[method-assign]
+        self.step = NULL_SCOPE.step  # type: ignore[method-assign]
+
+    def _meta(self) -> Meta:
+        from stepscope import __version__
+
+        torch = sys.modules.get("torch")
+        return Meta(
+            stepscope_version=__version__,
+            torch_version=getattr(torch, "__version__", None),
+            device=_device_name(self._timing_used),
+            timing=self._timing_used,
+            started_at=self._started_at,
+            command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else "",
+            hostname=socket.gethostname(),
+            python_version=platform.python_version(),
+        )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _device_name(timing: str) -> str:
+    if timing != "cuda":
+        return "cpu"
+    torch = sys.modules.get("torch")
+    try:
+        index = torch.cuda.current_device()  # type: ignore[union-attr]
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"  # type: ignore[union-attr]
+    except Exception:
+        return "cuda"

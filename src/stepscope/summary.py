@@ -1,0 +1,191 @@
+"""RunSummary: the one record every producer writes and every consumer reads.
+
+Plain dataclasses with a versioned JSON form, documented field by field in docs/summary-schema.md. Loading
+checks ``schema_version``: an older version is upgraded step by step through ``_UPGRADES``; a newer one, or a
+file that is not a stepscope summary, is refused with a sentence that says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+SCHEMA_VERSION = 1
+
+BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
+COSTS = ("config", "code", "infra")
+
+
+class SummaryError(ValueError):
+    """A summary file that cannot be read: missing, not JSON, not a stepscope summary, or of another schema."""
+
+
+@dataclass
+class Steps:
+    """How many steps ran and which were measured."""
+
+    warmup: int = 0
+    measured: int = 0
+    boundary: str | None = None  # what closed a step: "scope.step", "optimizer.step", "backward", ...
+
+
+@dataclass
+class PhaseStats:
+    """One phase over the measured steps in which it ran. Host wall time; device time when CUDA-timed."""
+
+    mean_ms: float
+    median_ms: float
+    p95_ms: float
+    share: float  # of total measured step time (host wall), 0..1
+    steps: int  # measured steps in which the phase ran
+    nested: bool = False  # ran inside another phase: its time is already in the enclosing phase's share
+    device_mean_ms: float | None = None
+    device_median_ms: float | None = None
+    device_p95_ms: float | None = None
+    device_share: float | None = None  # of total measured step time (host wall), 0..1
+
+
+@dataclass
+class Throughput:
+    """Rates over the measured steps; samples_per_s is null when no batch size was known."""
+
+    steps_per_s: float | None = None
+    samples_per_s: float | None = None
+    step_time_ms: float | None = None
+
+
+@dataclass
+class Verdict:
+    """The bottleneck and the figures it rests on."""
+
+    bound: str = "unknown"
+    confidence: str = "low"  # "high" | "medium" | "low"
+    evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Fix:
+    """One ranked fix: what to change, why, and how much it can gain at most."""
+
+    id: str
+    title: str
+    why: str
+    evidence: list[str]
+    how: str
+    cost: str  # "config" < "code" < "infra"
+    gain_bound: float | None  # upper bound on the step-time saving, 0..1; null when it cannot be bounded
+    gain_reason: str = ""
+    changes_numerics: bool = False
+
+
+@dataclass
+class Meta:
+    """Where and how the run was measured."""
+
+    stepscope_version: str = ""
+    torch_version: str | None = None
+    device: str = "cpu"
+    timing: str = "host"  # "host" (perf_counter) or "cuda" (CUDA events for device time)
+    started_at: str = ""  # ISO 8601, UTC
+    command: str = ""
+    hostname: str = ""
+    python_version: str = ""
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+
+
+@dataclass
+class RunSummary:
+    """Everything stepscope measured and concluded about one run (or one rank of a run)."""
+
+    steps: Steps = field(default_factory=Steps)
+    phases: dict[str, PhaseStats] = field(default_factory=dict)
+    throughput: Throughput = field(default_factory=Throughput)
+    verdict: Verdict = field(default_factory=Verdict)
+    fixes: list[Fix] = field(default_factory=list)
+    system: dict[str, Any] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    meta: Meta = field(default_factory=Meta)
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form, ``schema_version`` first."""
+        data = dataclasses.asdict(self)
+        return {"schema_version": data.pop("schema_version"), **data}
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialise to indented JSON; also writes it to ``path`` when given (parents created)."""
+        text = orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode()
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "summary") -> RunSummary:
+        """Build from the JSON form, upgrading older schema versions; raises SummaryError with the reason."""
+        if not isinstance(data, dict) or "schema_version" not in data:
+            raise SummaryError(f"{source} is not a stepscope summary: it has no schema_version field.")
+        version = data["schema_version"]
+        if not isinstance(version, int) or version < 1:
+            raise SummaryError(f"{source} has an invalid schema_version {version!r}.")
+        if version > SCHEMA_VERSION:
+            raise SummaryError(
+                f"{source} was written with summary schema {version}, but this stepscope reads schema "
+                f"{SCHEMA_VERSION} and older: upgrade stepscope to read it."
+            )
+        while version < SCHEMA_VERSION:
+            data = _UPGRADES[version](data)
+            version = data["schema_version"]
+        try:
+            return cls(
+                steps=_build(Steps, data.get("steps", {})),
+                phases={name: _build(PhaseStats, p) for name, p in data.get("phases", {}).items()},
+                throughput=_build(Throughput, data.get("throughput", {})),
+                verdict=_build(Verdict, data.get("verdict", {})),
+                fixes=[_build(Fix, f) for f in data.get("fixes", [])],
+                system=dict(data.get("system", {})),
+                ranks=list(data.get("ranks", [])),
+                meta=_build(Meta, data.get("meta", {})),
+                notes=list(data.get("notes", [])),
+                schema_version=version,
+            )
+        except (TypeError, AttributeError) as exc:
+            raise SummaryError(f"{source} does not match summary schema {SCHEMA_VERSION}: {exc}.") from exc
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> RunSummary:
+        """Load a summary file written by ``to_json``."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise SummaryError(f"no summary file at {path}.") from None
+        except OSError as exc:
+            raise SummaryError(f"cannot read summary {path}: {exc.strerror}.") from exc
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise SummaryError(f"{path} is not valid JSON ({exc}).") from exc
+        return cls.from_dict(data, source=str(path))
+
+
+def _build(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} must be an object, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has unknown fields {unknown}")
+    return cls(**data)
+
+
+# schema_version N -> N+1. Each entry rewrites a loaded dict in place of a migration; none yet (schema 1 is the first).
+_UPGRADES: dict[int, Any] = {}
