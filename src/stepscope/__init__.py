@@ -5,4 +5,14 @@ from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
 
 __version__ = "0.1.0"
 
-__all__ = ["NULL_SCOPE", "Fix", "NullScope", "PhaseStats", "RunSummary", "Scope", "SummaryError", "Verdict", "__version__"]
+__all__ = [
+    "NULL_SCOPE",
+    "Fix",
+    "NullScope",
+    "PhaseStats",
+    "RunSummary",
+    "Scope",
+    "SummaryError",
+    "Verdict",
+    "__version__",
+]

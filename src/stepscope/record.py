@@ -160,9 +160,7 @@ class Recorder:
     def _track(self, phase: str) -> PhaseTrack:
         track = self.phases.get(phase)
         if track is None:
-            track = self.phases[phase] = PhaseTrack(
-                StreamingStats(self.exact_limit), StreamingStats(self.exact_limit)
-            )
+            track = self.phases[phase] = PhaseTrack(StreamingStats(self.exact_limit), StreamingStats(self.exact_limit))
         return track
 
     def add(self, record: StepRecord, nested: frozenset[str] | set[str] = frozenset()) -> bool:

@@ -244,9 +244,7 @@ class Scope:
         if self._timing_used == "cuda":
             harvested = [r.device_s for r in recent if r.device_s is not None]
             if harvested:
-                compute = [
-                    sum(s for p, s in d.items() if p != DATA_PHASE and p not in self._nested) for d in harvested
-                ]
+                compute = [sum(s for p, s in d.items() if p != DATA_PHASE and p not in self._nested) for d in harvested]
                 out["perf/compute_time"] = sum(compute) / len(compute)
         else:
             out["perf/compute_time"] = step_s - data_s
