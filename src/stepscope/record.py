@@ -61,26 +61,32 @@ class StreamingStats:
         return len(self._exact) if self._exact is not None else len(self._buckets) + 1
 
     def add(self, value: float) -> None:
-        value = max(value, 0.0)
-        self.count += 1
-        self.total += value
-        self.min = min(self.min, value)
-        self.max = max(self.max, value)
+        """Add one sample."""
+        self.extend(np.array([value], dtype=np.float64))
+
+    def extend(self, values: np.ndarray) -> None:
+        """Add many samples at once (vectorised: how the recorder folds steps in, off the hot path)."""
+        values = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
+        if values.size == 0:
+            return
+        self.count += int(values.size)
+        self.total += float(values.sum())
+        self.min = min(self.min, float(values.min()))
+        self.max = max(self.max, float(values.max()))
         if self._exact is not None:
-            self._exact.append(value)
+            self._exact.extend(values.tolist())
             if len(self._exact) > self.exact_limit:
-                for v in self._exact:
-                    self._bucket(v)
+                self._bucket(np.array(self._exact))
                 self._exact = None
         else:
-            self._bucket(value)
+            self._bucket(values)
 
-    def _bucket(self, value: float) -> None:
-        if value <= 0.0:
-            self._zeros += 1
-            return
-        index = math.ceil(math.log(value) / self._log_gamma)
-        self._buckets[index] = self._buckets.get(index, 0) + 1
+    def _bucket(self, values: np.ndarray) -> None:
+        positive = values[values > 0.0]
+        self._zeros += int(values.size - positive.size)
+        indices, counts = np.unique(np.ceil(np.log(positive) / self._log_gamma).astype(np.int64), return_counts=True)
+        for index, count in zip(indices.tolist(), counts.tolist(), strict=True):
+            self._buckets[index] = self._buckets.get(index, 0) + count
 
     @property
     def mean(self) -> float:
@@ -106,13 +112,13 @@ class StreamingStats:
         return self.max
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
-    """One step: host wall seconds for the step and per phase, samples, and device seconds once harvested."""
+    """One step as the host saw it (wall ns for the step and per phase), plus device seconds once harvested."""
 
     index: int
-    step_s: float
-    phases_s: dict[str, float]
+    step_ns: int
+    phases_ns: dict[str, int]
     samples: int | None = None
     device_s: dict[str, float] | None = None
 
@@ -123,22 +129,29 @@ class PhaseTrack:
 
     host: StreamingStats
     device: StreamingStats
-    nested: bool = False
 
 
 @dataclass
 class Recorder:
-    """Skips warm-up, folds measured steps into streaming statistics, keeps a window for live metrics."""
+    """Skips warm-up, keeps a window of recent steps for live metrics, folds measured steps into statistics.
+
+    ``add`` is on the training loop's hot path, so it only appends; steps are folded into the streaming
+    statistics in vectorised batches of ``fold_every`` steps, or when results are read (``fold()``).
+    """
 
     warmup: int = 20
     window: int = 20
     exact_limit: int = 10_000
+    fold_every: int = 256
     steps_seen: int = 0
     step_stats: StreamingStats = field(init=False)
     phases: dict[str, PhaseTrack] = field(default_factory=dict)
+    nested: set[str] = field(default_factory=set)
     samples: int = 0
     sampled_step_s: float = 0.0
     recent: deque[StepRecord] = field(init=False)
+    _unfolded: list[StepRecord] = field(default_factory=list)
+    _unfolded_device: list[dict[str, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -155,7 +168,25 @@ class Recorder:
 
     @property
     def measured(self) -> int:
-        return self.step_stats.count
+        return self.step_stats.count + len(self._unfolded)
+
+    def add(self, record: StepRecord) -> bool:
+        """Take one closed step; returns False (and keeps nothing) for a warm-up step."""
+        measured = self.steps_seen >= self.warmup
+        self.steps_seen += 1
+        if measured:
+            self.recent.append(record)
+            self._unfolded.append(record)
+            if len(self._unfolded) >= self.fold_every:
+                self.fold()
+        return measured
+
+    def add_device(self, record: StepRecord, device_s: dict[str, float]) -> None:
+        """Attach a step's device seconds once its events completed (possibly several steps later)."""
+        record.device_s = device_s
+        self._unfolded_device.append(device_s)
+        if len(self._unfolded_device) >= self.fold_every:
+            self.fold()
 
     def _track(self, phase: str) -> PhaseTrack:
         track = self.phases.get(phase)
@@ -163,29 +194,28 @@ class Recorder:
             track = self.phases[phase] = PhaseTrack(StreamingStats(self.exact_limit), StreamingStats(self.exact_limit))
         return track
 
-    def add(self, record: StepRecord, nested: frozenset[str] | set[str] = frozenset()) -> bool:
-        """Fold one closed step in; returns False (and keeps nothing) for a warm-up step."""
-        measured = self.measuring
-        self.steps_seen += 1
-        if not measured:
-            return False
-        self.step_stats.add(record.step_s)
-        for phase, seconds in record.phases_s.items():
-            track = self._track(phase)
-            track.host.add(seconds)
-            if phase in nested:
-                track.nested = True
-        if record.samples is not None:
-            self.samples += record.samples
-            self.sampled_step_s += record.step_s
-        self.recent.append(record)
-        return True
-
-    def add_device(self, record: StepRecord, device_s: dict[str, float]) -> None:
-        """Attach a step's device seconds once its events completed (possibly several steps later)."""
-        record.device_s = device_s
-        for phase, seconds in device_s.items():
-            self._track(phase).device.add(seconds)
+    def fold(self) -> None:
+        """Fold buffered steps into the statistics (vectorised per phase)."""
+        records, self._unfolded = self._unfolded, []
+        if records:
+            step_s = np.array([r.step_ns for r in records], dtype=np.float64) / 1e9
+            self.step_stats.extend(step_s)
+            host: dict[str, list[int]] = {}
+            for record in records:
+                for phase, ns in record.phases_ns.items():
+                    host.setdefault(phase, []).append(ns)
+                if record.samples is not None:
+                    self.samples += record.samples
+                    self.sampled_step_s += record.step_ns / 1e9
+            for phase, values in host.items():
+                self._track(phase).host.extend(np.array(values, dtype=np.float64) / 1e9)
+        device_steps, self._unfolded_device = self._unfolded_device, []
+        device: dict[str, list[float]] = {}
+        for device_s in device_steps:
+            for phase, seconds in device_s.items():
+                device.setdefault(phase, []).append(seconds)
+        for phase, values in device.items():
+            self._track(phase).device.extend(np.array(values, dtype=np.float64))
 
 
 def _ms(seconds: float) -> float:
@@ -200,6 +230,7 @@ def _phase_order(names: list[str]) -> list[str]:
 
 def summarize(recorder: Recorder, timing: str) -> RunSummary:
     """The statistics part of a RunSummary: steps, per-phase statistics, throughput (meta left default)."""
+    recorder.fold()
     summary = RunSummary(steps=Steps(warmup=min(recorder.warmup, recorder.steps_seen), measured=recorder.measured))
     step = recorder.step_stats
     if step.count == 0:
@@ -217,7 +248,7 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
             p95_ms=_ms(track.host.quantile(0.95)),
             share=track.host.total / total_s if total_s > 0 else 0.0,
             steps=track.host.count,
-            nested=track.nested,
+            nested=name in recorder.nested,
         )
         if timing == "cuda" and track.device.count:
             stats.device_mean_ms = _ms(track.device.mean)

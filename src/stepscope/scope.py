@@ -87,40 +87,62 @@ class NullScope:
 NULL_SCOPE = NullScope()
 
 
-class _Phase:
-    """A reusable context manager timing one named phase; re-entrant through its own stack of starts."""
+class _HostPhase:
+    """A reusable context manager timing one named phase with the host clock; re-entrant via its stack."""
 
-    __slots__ = ("_name", "_scope", "_starts")
+    __slots__ = ("_clock", "_name", "_scope", "_starts")
 
     def __init__(self, scope: Scope, name: str) -> None:
         self._scope = scope
         self._name = name
-        self._starts: list[tuple[int, Any]] = []
+        self._clock = scope._clock
+        self._starts: list[int] = []
 
     def __enter__(self) -> None:
+        t0 = self._clock()
         scope = self._scope
-        t0 = scope._clock()
         if scope._step_start_ns is None:
             scope._step_start_ns = t0
         scope._depth += 1
-        try:
-            event = scope._device.start()
-        except Exception as error:
-            event = None
-            scope._fail(error)
-        self._starts.append((t0, event))
+        self._starts.append(t0)
 
     def __exit__(self, *exc: object) -> bool:
+        t1 = self._clock()
         scope = self._scope
-        t1 = scope._clock()
         try:
-            t0, event = self._starts.pop()
+            elapsed = t1 - self._starts.pop()
             scope._depth -= 1
-            scope._device.stop(self._name, event)
-            scope._add(self._name, t1 - t0)
+            scope._add(self._name, elapsed)
         except Exception as error:
             scope._fail(error)
         return False
+
+
+class _CudaPhase(_HostPhase):
+    """A phase also bracketed by device events on the current stream (read later, never waited on)."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self, scope: Scope, name: str) -> None:
+        super().__init__(scope, name)
+        self._events: list[Any] = []
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        try:
+            self._events.append(self._scope._device.start())
+        except Exception as error:
+            self._events.append(None)
+            self._scope._fail(error)
+
+    def __exit__(self, *exc: object) -> bool:
+        try:
+            start = self._events.pop()
+            if start is not None:
+                self._scope._device.stop(self._name, start)
+        except Exception as error:
+            self._scope._fail(error)
+        return super().__exit__(*exc)
 
 
 class _TimedIterable:
@@ -190,11 +212,11 @@ class Scope:
         self._events = events
         self._device: HostOnly | DeviceTimer = HOST_ONLY
         self._timing_used = "host"
-        self._phases: dict[str, _Phase] = {}
+        self._phases: dict[str, _HostPhase] = {}
+        self._phase_type: type[_HostPhase] = _HostPhase
         self._step_start_ns: int | None = None
         self._depth = 0
         self._current: dict[str, int] = {}
-        self._nested: set[str] = set()
         self._claimed_ns = 0
         self._failed: str | None = None
         self._started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -203,13 +225,13 @@ class Scope:
 
     # -- the loop-facing API ------------------------------------------------------------------------------------
 
-    def phase(self, name: str) -> _Phase:
+    def phase(self, name: str) -> _HostPhase:
         """A context manager timing ``name`` (canonical: data_wait, h2d, forward, backward, clip, optimizer,
         zero_grad, sync; any other name is a custom phase). Phases may nest; a nested phase's time stays in
         its parent's share and is reported separately. A phase whose body raises still closes."""
         phase = self._phases.get(name)
         if phase is None:
-            phase = self._phases[name] = _Phase(self, name)
+            phase = self._phases[name] = self._phase_type(self, name)
         return phase
 
     def data(self, iterable: Iterable[T]) -> Iterable[T]:
@@ -238,18 +260,19 @@ class Scope:
         if not recent:
             return {}
         n = len(recent)
-        step_s = sum(r.step_s for r in recent) / n
-        data_s = sum(r.phases_s.get(DATA_PHASE, 0.0) for r in recent) / n
+        step_s = sum(r.step_ns for r in recent) / n / 1e9
+        data_s = sum(r.phases_ns.get(DATA_PHASE, 0) for r in recent) / n / 1e9
         out = {"perf/step_time": step_s, "perf/data_time": data_s}
         if self._timing_used == "cuda":
             harvested = [r.device_s for r in recent if r.device_s is not None]
             if harvested:
-                compute = [sum(s for p, s in d.items() if p != DATA_PHASE and p not in self._nested) for d in harvested]
+                nested = self._recorder.nested
+                compute = [sum(s for p, s in d.items() if p != DATA_PHASE and p not in nested) for d in harvested]
                 out["perf/compute_time"] = sum(compute) / len(compute)
         else:
             out["perf/compute_time"] = step_s - data_s
         sampled = [r for r in recent if r.samples is not None]
-        sampled_s = sum(r.step_s for r in sampled)
+        sampled_s = sum(r.step_ns for r in sampled) / 1e9
         if sampled and sampled_s > 0:
             out["perf/train_capacity"] = sum(r.samples or 0 for r in sampled) / sampled_s
         return out
@@ -293,29 +316,29 @@ class Scope:
     # -- internals ----------------------------------------------------------------------------------------------
 
     def _add(self, name: str, elapsed_ns: int) -> None:
-        self._current[name] = self._current.get(name, 0) + elapsed_ns
+        current = self._current
+        current[name] = current.get(name, 0) + elapsed_ns
         if self._depth == 0:
             self._claimed_ns += elapsed_ns
         else:
-            self._nested.add(name)
+            self._recorder.nested.add(name)
 
     def _close_step(self, t1: int, batch_size: int | None) -> None:
         t0 = self._step_start_ns if self._step_start_ns is not None else t1
-        phases_s = {name: ns / 1e9 for name, ns in self._current.items()}
-        phases_s[OTHER_PHASE] = max(t1 - t0 - self._claimed_ns, 0) / 1e9
-        record = StepRecord(
-            index=self._recorder.steps_seen, step_s=(t1 - t0) / 1e9, phases_s=phases_s, samples=batch_size
-        )
-        nested = {n for n in self._nested if n in self._current}
+        phases_ns = self._current
+        phases_ns[OTHER_PHASE] = max(t1 - t0 - self._claimed_ns, 0)
+        record = StepRecord(self._recorder.steps_seen, t1 - t0, phases_ns, batch_size)
         self._current = {}
         self._claimed_ns = 0
         self._step_start_ns = t1
-        measured = self._recorder.add(record, nested)
-        if measured:
-            self._device.close_step(record)
-            for done, device_s in self._device.harvest():
-                self._recorder.add_device(done, device_s)
-        elif self._recorder.measuring:
+        recorder = self._recorder
+        if recorder.add(record):
+            device = self._device
+            device.close_step(record)
+            if device.pending_steps:
+                for done, device_s in device.harvest():
+                    recorder.add_device(done, device_s)
+        elif recorder.measuring:
             self._start_measuring()
 
     def _start_measuring(self) -> None:
@@ -324,6 +347,8 @@ class Scope:
         if use_cuda:
             self._device = DeviceTimer(self._events or CudaEvents())
             self._timing_used = "cuda"
+            self._phase_type = _CudaPhase
+            self._phases = {}
 
     def _fail(self, error: BaseException) -> None:
         """Stop measuring after an internal error; the training loop must go on."""

@@ -1,0 +1,30 @@
+# Two entry points: `make demo` (set up, then profile the bundled example) and `make test` (set up, then test).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Users bring their own torch; this pins the CPU build used for development and CI.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/slow_loader.py --json out/demo-summary.json
+
+test: $(VENV)/.installed lint
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+
+bench: $(VENV)/.installed
+	$(PY) bench/overhead.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,109 @@
+"""Test doubles for the two seams of Scope: a fake nanosecond clock and a fake CUDA event source.
+
+``FakeClock`` only moves when a test calls ``advance``, so every host duration is known exactly.
+
+``FakeEvents`` models a GPU the test drives by hand. It keeps a fake GPU timeline (``gpu_ms``) that the test moves
+with ``run(ms)``; an event recorded now is stamped with the timeline's current value. An event is *not* complete
+when recorded: ``query()`` is False until the test marks it complete (``complete(...)``, ``complete_all()``) or
+``synchronize()`` is called. ``take_recorded()`` hands the test the events recorded since the previous call, so a
+test can grab one step's events and complete them before (or after) another step's: out-of-order completion.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+class FakeClock:
+    """A monotonic clock in integer nanoseconds that moves only on ``advance(ms)``."""
+
+    def __init__(self, start_ns: int = 1_000_000_000) -> None:
+        self.ns = start_ns
+        self.calls = 0
+
+    def __call__(self) -> int:
+        self.calls += 1
+        return self.ns
+
+    def advance(self, ms: float) -> None:
+        self.ns += round(ms * 1_000_000)
+
+
+class FakeEvent:
+    """One fake CUDA event: stamped with the source's GPU time when recorded, complete only when told."""
+
+    def __init__(self, source: FakeEvents, serial: int) -> None:
+        self.source = source
+        self.serial = serial
+        self.t_ms: float | None = None
+        self.done = False
+        self.records = 0
+
+    def record(self) -> None:
+        self.t_ms = self.source.gpu_ms
+        self.done = False
+        self.records += 1
+        self.source.log.append(self)
+
+    def query(self) -> bool:
+        self.source.queries += 1
+        return self.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        # torch raises when either event has not completed; so does the fake, to catch early reads.
+        if not (self.done and end.done):
+            raise RuntimeError("elapsed_time on an event that has not completed")
+        return end.t_ms - self.t_ms
+
+    def __repr__(self) -> str:
+        return f"FakeEvent(#{self.serial}, t={self.t_ms}, done={self.done})"
+
+
+class FakeEvents:
+    """An EventSource whose events complete only when the test says so; counts ``new_event`` and ``synchronize``."""
+
+    def __init__(self) -> None:
+        self.gpu_ms = 0.0
+        self.created = 0
+        self.syncs = 0
+        self.queries = 0
+        self.log: list[FakeEvent] = []  # every record(), in order (a recycled event appears again)
+        self._taken = 0
+
+    # -- the EventSource protocol ----------------------------------------------------------------------------
+    def new_event(self) -> FakeEvent:
+        self.created += 1
+        return FakeEvent(self, self.created)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self.complete_all()
+
+    # -- test controls ---------------------------------------------------------------------------------------
+    def run(self, ms: float) -> None:
+        """The GPU works for ``ms`` milliseconds: events recorded after this are stamped later."""
+        self.gpu_ms += ms
+
+    def take_recorded(self) -> list[FakeEvent]:
+        """Events recorded since the previous call (e.g. exactly one step's events)."""
+        events = self.log[self._taken :]
+        self._taken = len(self.log)
+        return events
+
+    def complete(self, events: list[FakeEvent]) -> None:
+        for event in events:
+            event.done = True
+
+    def complete_all(self) -> None:
+        for event in self.log:
+            event.done = True
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def events() -> FakeEvents:
+    return FakeEvents()
