@@ -75,6 +75,10 @@ class FakeEvents:
         self.created += 1
         return FakeEvent(self, self.created)
 
+    def record(self, event: FakeEvent) -> None:
+        """Record ``event`` on the (fake) current stream; the same as ``event.record()``."""
+        event.record()
+
     def synchronize(self) -> None:
         self.syncs += 1
         self.complete_all()
@@ -97,6 +101,12 @@ class FakeEvents:
     def complete_all(self) -> None:
         for event in self.log:
             event.done = True
+
+
+@pytest.fixture(autouse=True)
+def no_stepscope_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """STEPSCOPE=0/1 in the developer's environment would turn every Scope on or off; tests set it themselves."""
+    monkeypatch.delenv("STEPSCOPE", raising=False)
 
 
 @pytest.fixture

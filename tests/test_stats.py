@@ -11,9 +11,19 @@ QS = (0.0, 0.1, 0.25, 0.5, 0.9, 0.95, 0.99, 1.0)
 
 
 def filled(values, **kwargs):
+    """One value at a time through add()."""
     stats = StreamingStats(**kwargs)
     for v in values:
         stats.add(float(v))
+    return stats
+
+
+def folded(values, chunk=256, **kwargs):
+    """Batches through extend(), the way the recorder folds steps in (and fast enough for 200k values)."""
+    stats = StreamingStats(**kwargs)
+    values = np.asarray(values, dtype=np.float64)
+    for start in range(0, values.size, chunk):
+        stats.extend(values[start : start + chunk])
     return stats
 
 
@@ -66,20 +76,20 @@ def test_crossing_exact_limit_switches_to_sketch_and_stays_bounded():
     rng = np.random.default_rng(1)
     values = rng.lognormal(mean=-2.0, sigma=1.0, size=200_000)
     stats = StreamingStats(exact_limit=1000)
-    for i, v in enumerate(values.tolist()):
-        stats.add(v)
-        if i == 999:
-            assert stats.exact
-            assert stats.stored_values == 1000
-        if i == 1000:
-            assert not stats.exact
+    stats.extend(values[:1000])
+    assert stats.exact
+    assert stats.stored_values == 1000
+    stats.add(float(values[1000]))
+    assert not stats.exact
+    for start in range(1001, values.size, 256):
+        stats.extend(values[start : start + 256])
     assert not stats.exact
     assert stats.count == 200_000
     assert stats.stored_values < 2000
 
 
 def _check_sketch(values, rel_err=0.01):
-    stats = filled(values, exact_limit=1000, rel_err=rel_err)
+    stats = folded(values, exact_limit=1000, rel_err=rel_err)
     assert not stats.exact
     assert stats.stored_values < 2000
     for q in (0.5, 0.95, 0.99):
@@ -117,9 +127,28 @@ def test_sketch_coarser_rel_err_is_honoured():
     rng = np.random.default_rng(5)
     values = rng.lognormal(mean=0.0, sigma=1.5, size=50_000)
     stats = _check_sketch(values, rel_err=0.05)
-    fine = filled(values, exact_limit=1000, rel_err=0.01)
+    fine = folded(values, exact_limit=1000, rel_err=0.01)
     # Wider buckets: fewer of them.
     assert stats.stored_values < fine.stored_values
+
+
+def test_add_and_extend_agree():
+    rng = np.random.default_rng(8)
+    values = rng.lognormal(mean=-4.0, sigma=0.5, size=3000)
+    one = filled(values, exact_limit=500)
+    many = folded(values, chunk=97, exact_limit=500)
+    assert one.count == many.count == 3000
+    assert one.total == pytest.approx(many.total, rel=1e-12)
+    assert (one.min, one.max) == (many.min, many.max)
+    assert one.stored_values == many.stored_values
+    for q in QS:
+        assert one.quantile(q) == many.quantile(q)
+
+
+def test_extend_empty_array_changes_nothing():
+    stats = filled([2.0, 4.0])
+    stats.extend(np.array([], dtype=np.float64))
+    assert (stats.count, stats.total, stats.min, stats.max) == (2, 6.0, 2.0, 4.0)
 
 
 def test_sketch_extreme_quantiles_are_min_and_max():

@@ -116,19 +116,7 @@ class HostOnly:
         return None
 
     def harvest(self) -> list[tuple[Any, dict[str, float]]]:
-        done: list[tuple[Any, dict[str, float]]] = []
-        pending = self._pending
-        # Steps are harvested oldest first and the scan stops at the first step still in flight: a stream
-        # completes its work in order, so this costs O(completed + 1) queries however far the host runs ahead.
-        # A later step that completes first (another stream) simply waits for the older one; nothing is lost.
-        while pending:
-            token, intervals = pending[0]
-            if not all(end.query() and start.query() for _, start, end in reversed(intervals)):
-                break
-            pending.popleft()
-            done.append((token, _device_seconds(intervals)))
-            self._recycle(intervals)
-        return done
+        return []
 
     def drain(self) -> list[tuple[Any, dict[str, float]]]:
         return []
@@ -187,15 +175,17 @@ class DeviceTimer:
 
     def harvest(self) -> list[tuple[Any, dict[str, float]]]:
         done: list[tuple[Any, dict[str, float]]] = []
-        still: deque[tuple[Any, list[Interval]]] = deque()
-        for token, intervals in self._pending:
-            # The last end event is the likeliest to be outstanding: test it first.
-            if all(end.query() and start.query() for _, start, end in reversed(intervals)):
-                done.append((token, _device_seconds(intervals)))
-                self._recycle(intervals)
-            else:
-                still.append((token, intervals))
-        self._pending = still
+        pending = self._pending
+        # Steps are harvested oldest first and the scan stops at the first step still in flight: a stream
+        # completes its work in order, so this costs O(completed + 1) queries however far the host runs ahead.
+        # A later step that completes first (another stream) simply waits for the older one; nothing is lost.
+        while pending:
+            token, intervals = pending[0]
+            if not all(end.query() and start.query() for _, start, end in reversed(intervals)):
+                break
+            pending.popleft()
+            done.append((token, _device_seconds(intervals)))
+            self._recycle(intervals)
         return done
 
     def drain(self) -> list[tuple[Any, dict[str, float]]]:

@@ -187,7 +187,7 @@ class Scope:
 
     enabled = True
 
-    def __new__(cls, enabled: bool = True, **kwargs: Any) -> Any:
+    def __new__(cls, enabled: bool = True, *args: Any, **kwargs: Any) -> Any:
         if not env_enabled(enabled):
             return NULL_SCOPE
         return super().__new__(cls)
@@ -281,12 +281,15 @@ class Scope:
         """A short progress-bar string, e.g. ``step=412ms data=31% thru=77.6/s``."""
         recorder = self._recorder
         if not recorder.measuring or not recorder.recent:
-            return f"warm-up {recorder.steps_seen}/{recorder.warmup}"
+            return f"warm-up {min(recorder.steps_seen, recorder.warmup)}/{recorder.warmup}"
         m = self.metrics()
         step_s = m["perf/step_time"]
         data_pct = 100 * m["perf/data_time"] / step_s if step_s > 0 else 0.0
         capacity = m.get("perf/train_capacity")
-        thru = f"thru={capacity:.1f}/s" if capacity is not None else f"thru={1 / step_s:.2f} step/s"
+        if capacity is not None:
+            thru = f"thru={capacity:.1f}/s"
+        else:
+            thru = f"thru={1 / step_s:.2f} step/s" if step_s > 0 else "thru=-"
         return f"step={step_s * 1e3:.0f}ms data={data_pct:.0f}% {thru}"
 
     def summary(self) -> RunSummary:
@@ -324,13 +327,17 @@ class Scope:
             self._recorder.nested.add(name)
 
     def _close_step(self, t1: int, batch_size: int | None) -> None:
-        t0 = self._step_start_ns if self._step_start_ns is not None else t1
+        t0 = self._step_start_ns
+        self._step_start_ns = t1
+        if t0 is None:
+            # The first step closed before any phase or fetch began: its start is unknown, so it is not timed.
+            self._recorder.steps_seen += 1
+            return
         phases_ns = self._current
         phases_ns[OTHER_PHASE] = max(t1 - t0 - self._claimed_ns, 0)
         record = StepRecord(self._recorder.steps_seen, t1 - t0, phases_ns, batch_size)
         self._current = {}
         self._claimed_ns = 0
-        self._step_start_ns = t1
         recorder = self._recorder
         if recorder.add(record):
             device = self._device

@@ -144,6 +144,9 @@ class RunSummary:
         while version < SCHEMA_VERSION:
             data = _UPGRADES[version](data)
             version = data["schema_version"]
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise SummaryError(f"{source} has fields that summary schema {SCHEMA_VERSION} does not know: {unknown}.")
         try:
             return cls(
                 steps=_build(Steps, data.get("steps", {})),

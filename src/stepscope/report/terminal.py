@@ -1,7 +1,8 @@
 """The per-phase table of a RunSummary, in the style of a profile_step report.
 
-rich renders it; on a terminal with colour, in plain text (no colour, ASCII-safe box) when the output is not a
-TTY or ``CI`` is set, so logs stay readable.
+rich renders it: on a terminal with colour and a Unicode rule, in plain ASCII text (no colour) when the output is
+not a TTY or ``CI`` is set, so logs stay readable. User text (commands, phase names) is printed verbatim, never
+read as rich markup.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from typing import IO
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stepscope.record import TOTAL
 from stepscope.summary import RunSummary
+
+# SIMPLE_HEAD with an ASCII rule under the header.
+_ASCII_HEAD = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
 
 
 def _console(file: IO[str] | None) -> Console:
@@ -26,16 +31,20 @@ def _console(file: IO[str] | None) -> Console:
     return Console(file=file, highlight=False)
 
 
+def _plain(console: Console) -> bool:
+    return console.color_system is None
+
+
 def _fmt_ms(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.3f}" if value < 10 else f"{value:.1f}"
 
 
-def phase_table(summary: RunSummary) -> Table:
+def phase_table(summary: RunSummary, ascii_only: bool = False) -> Table:
     """The phase | mean | median | p95 | share table (plus GPU columns when CUDA-timed)."""
     cuda = summary.meta.timing == "cuda"
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("phase")
     for header in ("mean ms", "median ms", "p95 ms", "share"):
         table.add_column(header, justify="right")
@@ -43,7 +52,7 @@ def phase_table(summary: RunSummary) -> Table:
         table.add_column("gpu mean ms", justify="right")
         table.add_column("gpu share", justify="right")
     for name, stats in summary.phases.items():
-        label = f"  {name}" if stats.nested else name
+        label = escape(f"  {name}" if stats.nested else name)
         row = [
             label,
             _fmt_ms(stats.mean_ms),
@@ -74,10 +83,12 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
     """Print the phase table, throughput, verdict and notes of a summary."""
     console = _console(file)
     timing = "CUDA events (gpu columns) + host clock" if summary.meta.timing == "cuda" else "host clock"
-    console.print(f"stepscope · {summary.meta.command or 'run'} · {summary.meta.device} · timing: {timing}")
+    console.print(
+        f"stepscope · {summary.meta.command or 'run'} · {summary.meta.device} · timing: {timing}", markup=False
+    )
     if summary.phases:
-        console.print(phase_table(summary))
-        console.print(throughput_line(summary))
+        console.print(phase_table(summary, ascii_only=_plain(console)))
+        console.print(throughput_line(summary), markup=False)
         verdict = summary.verdict
         evidence = f" ({'; '.join(verdict.evidence)})" if verdict.evidence else ""
         console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)

@@ -1,0 +1,343 @@
+"""Device timing through the EventSource seam: deferred, out-of-order harvesting, no sync in the loop, bounded."""
+
+import io
+
+import pytest
+import torch
+
+from stepscope import Scope
+from stepscope.clock import HOST_ONLY, DeviceTimer
+
+
+def approx(value):
+    return pytest.approx(value, rel=1e-9, abs=1e-12)
+
+
+def cuda_scope(clock, events, **kwargs):
+    kwargs.setdefault("warmup", 0)
+    kwargs.setdefault("window", 10)
+    return Scope(clock=clock, events=events, timing="cuda", **kwargs)
+
+
+def gpu_step(scope, clock, events, forward_gpu_ms, backward_gpu_ms, batch_size=4):
+    """One step: forward (2 ms host, forward_gpu_ms on the GPU), backward (3 ms host, backward_gpu_ms on the GPU).
+
+    Returns the events this step recorded, so the test can complete them whenever it likes."""
+    with scope.phase("forward"):
+        clock.advance(2)
+        events.run(forward_gpu_ms)
+    with scope.phase("backward"):
+        clock.advance(3)
+        events.run(backward_gpu_ms)
+    scope.step(batch_size=batch_size)
+    return events.take_recorded()
+
+
+def records_by_index(scope):
+    return {r.index: r for r in scope._recorder.recent}
+
+
+def test_device_time_per_phase_in_summary(clock, events):
+    scope = cuda_scope(clock, events)
+    for f in (4, 6, 8, 10):
+        gpu_step(scope, clock, events, f, 2 * f)
+    s = scope.summary()
+    assert s.meta.timing == "cuda"
+    fwd, bwd = s.phases["forward"], s.phases["backward"]
+    # forward on the GPU: 4 6 8 10 ms -> mean 7, median 7, p95 at rank 2.85 -> 8 + 0.85 * 2 = 9.7
+    assert (fwd.device_mean_ms, fwd.device_median_ms, fwd.device_p95_ms) == (approx(7), approx(7), approx(9.7))
+    assert (bwd.device_mean_ms, bwd.device_median_ms, bwd.device_p95_ms) == (approx(14), approx(14), approx(19.4))
+    # host figures are the host clock's: 2 ms and 3 ms, 5 ms steps
+    assert fwd.mean_ms == approx(2)
+    assert bwd.mean_ms == approx(3)
+    assert s.phases["total"].mean_ms == approx(5)
+    # device share: device mean * steps / host step time = 7 ms * 4 / 20 ms (the GPU runs behind the host)
+    assert fwd.device_share == approx(1.4)
+    assert bwd.device_share == approx(2.8)
+    # phases without events carry no device figures
+    assert s.phases["other"].device_mean_ms is None
+    assert s.phases["total"].device_mean_ms is None
+
+
+def test_auto_timing_uses_the_given_events(clock, events):
+    scope = Scope(clock=clock, events=events, warmup=0)  # timing="auto"
+    gpu_step(scope, clock, events, 5, 9)
+    s = scope.summary()
+    assert s.meta.timing == "cuda"
+    assert s.phases["forward"].device_mean_ms == approx(5)
+    assert s.phases["backward"].device_mean_ms == approx(9)
+
+
+def test_host_timing_ignores_the_events(clock, events):
+    scope = Scope(clock=clock, events=events, warmup=0, timing="host")
+    gpu_step(scope, clock, events, 5, 9)
+    s = scope.summary()
+    assert s.meta.timing == "host"
+    assert events.created == 0
+    assert s.phases["forward"].device_mean_ms is None
+
+
+def test_no_events_during_warmup(clock, events):
+    scope = cuda_scope(clock, events, warmup=3)
+    for _ in range(3):
+        gpu_step(scope, clock, events, 100, 100)
+    assert events.created == 0
+    gpu_step(scope, clock, events, 5, 9)
+    assert events.created == 4
+    s = scope.summary()
+    assert s.steps.measured == 1
+    assert s.phases["forward"].device_mean_ms == approx(5)
+
+
+def test_events_completing_later_are_harvested_at_later_steps(clock, events):
+    scope = cuda_scope(clock, events)
+    step1 = gpu_step(scope, clock, events, 4, 8)
+    step2 = gpu_step(scope, clock, events, 6, 12)
+    m = scope.metrics()
+    assert "perf/compute_time" not in m  # nothing harvested yet
+    assert m["perf/step_time"] == approx(0.005)
+
+    events.complete(step1)
+    step3 = gpu_step(scope, clock, events, 8, 16)  # harvests step 1 when it closes
+    assert scope.metrics()["perf/compute_time"] == approx(0.012)
+
+    events.complete(step2 + step3)
+    gpu_step(scope, clock, events, 10, 20)  # harvests steps 2 and 3
+    assert scope.metrics()["perf/compute_time"] == approx((0.012 + 0.018 + 0.024) / 3)
+    assert events.syncs == 0
+
+    s = scope.summary()  # step 4 still in flight: one sync
+    assert events.syncs == 1
+    assert s.phases["forward"].device_mean_ms == approx(7)
+    assert s.phases["backward"].device_mean_ms == approx(14)
+
+
+def test_out_of_order_completion_goes_to_the_right_step(clock, events):
+    scope = cuda_scope(clock, events)
+    step1 = gpu_step(scope, clock, events, 3, 11)
+    step2 = gpu_step(scope, clock, events, 7, 13)
+    events.complete(step2)  # step 2 finishes first (another stream)
+    gpu_step(scope, clock, events, 5, 17)
+
+    records = records_by_index(scope)
+    assert records[0].device_s is None  # step 1 is still in flight: nothing may be attributed to it
+    # step 2 may be harvested now (any order) or wait for step 1 (oldest first); never with other figures
+    assert records[1].device_s in (None, {"forward": approx(0.007), "backward": approx(0.013)})
+    assert records[2].device_s is None
+    assert scope.metrics().get("perf/compute_time", 0.020) == approx(0.020)
+
+    events.complete(step1)
+    gpu_step(scope, clock, events, 9, 19)  # harvests steps 1 and 2
+    records = records_by_index(scope)
+    assert records[0].device_s == {"forward": approx(0.003), "backward": approx(0.011)}
+    assert records[1].device_s == {"forward": approx(0.007), "backward": approx(0.013)}
+    assert records[2].device_s is None
+    assert records[3].device_s is None
+    assert scope.metrics()["perf/compute_time"] == approx((0.014 + 0.020) / 2)
+    assert events.syncs == 0
+
+    s = scope.summary()
+    assert events.syncs == 1
+    records = records_by_index(scope)
+    assert records[2].device_s == {"forward": approx(0.005), "backward": approx(0.017)}
+    assert records[3].device_s == {"forward": approx(0.009), "backward": approx(0.019)}
+    assert s.phases["forward"].device_mean_ms == approx((3 + 7 + 5 + 9) / 4)
+    assert s.phases["backward"].device_mean_ms == approx((11 + 13 + 17 + 19) / 4)
+
+
+def test_compute_time_excludes_data_wait_and_nested_phases(clock, events):
+    scope = cuda_scope(clock, events)
+    for _ in range(2):
+        with scope.phase("data_wait"):
+            events.run(1)
+        with scope.phase("forward"):
+            events.run(4)
+            with scope.phase("attention"):
+                events.run(3)
+        with scope.phase("optimizer"):
+            events.run(2)
+        scope.step()
+        events.complete(events.take_recorded())
+    # step 1 harvested when step 2 closed: forward 7 (includes attention) + optimizer 2
+    assert scope.metrics()["perf/compute_time"] == approx(0.009)
+    s = scope.summary()
+    assert s.phases["attention"].device_mean_ms == approx(3)
+    assert s.phases["forward"].device_mean_ms == approx(7)
+    assert s.phases["data_wait"].device_mean_ms == approx(1)
+
+
+def test_no_synchronize_inside_the_loop_and_at_most_one_in_summary(clock, events):
+    scope = cuda_scope(clock, events)
+    for k in range(50):
+        gpu_step(scope, clock, events, 1 + k % 3, 2)
+    assert events.syncs == 0
+    assert events.queries > 0  # it polled, it did not wait
+    s = scope.summary()
+    assert events.syncs == 1
+    assert s.phases["forward"].device_mean_ms == approx((17 * 1 + 17 * 2 + 16 * 3) / 50)
+    scope.summary()
+    scope.print_table(file=io.StringIO())
+    assert events.syncs == 1  # nothing left in flight
+
+
+def test_summary_does_not_synchronize_when_nothing_is_pending(clock, events):
+    scope = cuda_scope(clock, events)
+    for f in (2, 4, 6):
+        events.complete(gpu_step(scope, clock, events, f, 1))
+    scope.step()  # a step with no phases: records no events, but harvests step 3
+    assert scope._device.pending_steps == 0
+    s = scope.summary()
+    assert events.syncs == 0
+    assert s.phases["forward"].device_mean_ms == approx(4)
+
+
+def test_scope_drops_steps_beyond_max_pending_and_says_so(clock, events):
+    scope = cuda_scope(clock, events)  # DeviceTimer default: 256 pending steps
+    for k in range(1, 301):
+        gpu_step(scope, clock, events, k, 1)
+    assert events.syncs == 0
+    s = scope.summary()
+    assert s.steps.measured == 300
+    assert any("device time missing for 44 step(s)" in note for note in s.notes)
+    # the oldest 44 steps were dropped: device mean over steps 45..300
+    assert s.phases["forward"].device_mean_ms == approx((45 + 300) / 2)
+    # 256 pending steps of 4 events; the dropped steps' events were reused
+    assert events.created == 257 * 4
+
+
+def test_scope_recycles_events(clock, events):
+    scope = cuda_scope(clock, events)
+    for _ in range(20):
+        events.complete(gpu_step(scope, clock, events, 2, 4))
+    # step 1 creates 4, step 2 creates 4 (step 1 is harvested as step 2 closes); from then on the pool suffices
+    assert events.created == 8
+
+
+# -- DeviceTimer directly -------------------------------------------------------------------------------------
+
+
+def timer_step(timer, events, token, gpu_ms):
+    start = timer.start()
+    events.run(gpu_ms)
+    timer.stop("forward", start)
+    timer.close_step(token)
+    return events.take_recorded()
+
+
+def test_device_timer_out_of_order(events):
+    timer = DeviceTimer(events)
+    first = timer_step(timer, events, "s1", 3)
+    second = timer_step(timer, events, "s2", 7)
+    assert timer.pending_steps == 2
+    assert timer.harvest() == []
+    events.complete(second)
+    early = timer.harvest()
+    # s2 either comes out now or waits for s1; s1 cannot come out before it completes
+    assert early in ([], [("s2", {"forward": approx(0.007)})])
+    assert timer.pending_steps == 2 - len(early)
+    events.complete(first)
+    late = timer.harvest()
+    harvested = dict(early + late)
+    assert len(early + late) == 2
+    assert harvested == {"s1": {"forward": approx(0.003)}, "s2": {"forward": approx(0.007)}}
+    assert timer.pending_steps == 0
+    assert timer.harvest() == []
+    assert events.syncs == 0
+
+
+def test_device_timer_harvest_stops_at_the_first_step_in_flight(events):
+    # DeviceTimer.harvest: "returns ... for the oldest pending steps whose events have all completed" and costs
+    # O(completed + 1) queries however far the host runs ahead: with 50 steps in flight, one query suffices.
+    timer = DeviceTimer(events)
+    for k in range(50):
+        timer_step(timer, events, k, 1)
+    events.queries = 0
+    assert timer.harvest() == []
+    assert events.queries <= 2
+    assert timer.pending_steps == 50
+
+
+def test_host_only_timer_records_and_harvests_nothing():
+    assert HOST_ONLY.start() is None
+    assert HOST_ONLY.stop("forward", None) is None
+    assert HOST_ONLY.close_step("token") is None
+    assert HOST_ONLY.pending_steps == 0
+    assert HOST_ONLY.dropped_steps == 0
+    assert HOST_ONLY.harvest() == []
+    assert HOST_ONLY.drain() == []
+
+
+def test_device_timer_partial_step_waits_for_all_its_events(events):
+    timer = DeviceTimer(events)
+    start = timer.start()
+    events.run(2)
+    timer.stop("forward", start)
+    start = timer.start()
+    events.run(5)
+    timer.stop("backward", start)
+    timer.close_step("s1")
+    recorded = events.take_recorded()
+    events.complete(recorded[:2])  # forward done, backward still running
+    assert timer.harvest() == []
+    events.complete(recorded[2:])
+    assert timer.harvest() == [("s1", {"forward": approx(0.002), "backward": approx(0.005)})]
+
+
+def test_device_timer_sums_a_phase_recorded_twice(events):
+    timer = DeviceTimer(events)
+    for gpu_ms in (2, 3):
+        start = timer.start()
+        events.run(gpu_ms)
+        timer.stop("forward", start)
+    timer.close_step("s1")
+    assert timer.drain() == [("s1", {"forward": approx(0.005)})]
+    assert events.syncs == 1
+
+
+def test_device_timer_step_without_intervals_is_not_pending(events):
+    timer = DeviceTimer(events)
+    timer.close_step("empty")
+    assert timer.pending_steps == 0
+    assert timer.drain() == []
+    assert events.syncs == 0
+
+
+def test_device_timer_bounds_pending_steps_and_recycles_events(events):
+    timer = DeviceTimer(events, max_pending_steps=4)
+    for k in range(10):
+        timer_step(timer, events, k, 1 + k)
+    assert timer.pending_steps == 4
+    assert timer.dropped_steps == 6
+    # steps 0..4 each made 2 events; closing step 4 dropped step 0 and its events served step 5, and so on
+    assert events.created == 10
+    events.complete_all()
+    done = timer.harvest()
+    assert [token for token, _ in done] == [6, 7, 8, 9]
+    assert [seconds["forward"] for _, seconds in done] == [approx(0.007), approx(0.008), approx(0.009), approx(0.010)]
+    for k in range(10, 15):
+        events.complete(timer_step(timer, events, k, 1))
+        assert timer.harvest() == [(k, {"forward": approx(0.001)})]
+    assert events.created == 10  # the pool stopped new_event from growing
+    assert timer.dropped_steps == 6
+    assert events.syncs == 0
+
+
+def test_device_timer_drain_synchronizes_once(events):
+    timer = DeviceTimer(events)
+    for k in range(3):
+        timer_step(timer, events, k, 2)
+    done = timer.drain()
+    assert events.syncs == 1
+    assert [token for token, _ in done] == [0, 1, 2]
+    assert timer.pending_steps == 0
+    assert timer.drain() == []
+    assert events.syncs == 1
+
+
+# -- configuration --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_timing_without_events_or_cuda_raises(clock):
+    with pytest.raises(ValueError, match=r"timing='cuda' needs a CUDA device.*use timing='auto' or 'host'"):
+        Scope(clock=clock, timing="cuda")
