@@ -8,6 +8,9 @@ and the step-time ratio enabled/disabled on an empty loop and on a small CPU MLP
 (data + forward + backward + optimizer phases + step()).
 
 Targets (issue 2): disabled within 10% of the floor; enabled <= 1 us per phase above the floor; <= 1% on a ~2 ms step.
+The MLP step ratio is printed with an A/A control (the same variant twice): on a noisy 2-core machine that control
+varies by about 1%, so the step target is checked on the added cost per step (the empty-loop excess, measured
+precisely) over the MLP step time.
 
     python bench/overhead.py [--repeats 15] [--json out/overhead.json]
 """
@@ -85,8 +88,11 @@ def step_loop_floor_ns(n: int) -> float:
     return (time.perf_counter_ns() - t0) / n
 
 
-def train_steps_s(scope: object, steps: int, model: nn.Module, opt: torch.optim.Optimizer, batches: list) -> float:
-    """Wall seconds per step of a real MLP step (data, forward, backward, optimizer phases)."""
+def train_step_times_s(
+    scope: object, steps: int, model: nn.Module, opt: torch.optim.Optimizer, batches: list
+) -> list[float]:
+    """Wall seconds of each step of a real MLP step (data, forward, backward, optimizer phases)."""
+    times = []
     t0 = time.perf_counter_ns()
     for x, y in scope.data(batches[:steps]):  # type: ignore[attr-defined]
         with scope.phase("forward"):  # type: ignore[attr-defined]
@@ -97,7 +103,10 @@ def train_steps_s(scope: object, steps: int, model: nn.Module, opt: torch.optim.
             opt.step()
             opt.zero_grad(set_to_none=True)
         scope.step(batch_size=x.shape[0])  # type: ignore[attr-defined]
-    return (time.perf_counter_ns() - t0) / 1e9 / steps
+        t1 = time.perf_counter_ns()
+        times.append((t1 - t0) / 1e9)
+        t0 = t1
+    return times
 
 
 def empty_steps_s(scope: object, steps: int) -> float:
@@ -129,7 +138,7 @@ def cuda_figures(repeats: int, n_phases: int, steps: int) -> dict[str, float]:
         only measures enqueueing, which a GPU-bound step hides)."""
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
-        train_steps_s(scope, steps, model, opt, batches)
+        train_step_times_s(scope, steps, model, opt, batches)
         torch.cuda.synchronize()
         return (time.perf_counter_ns() - t0) / 1e9 / steps
 
@@ -165,7 +174,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="stepscope overhead benchmark")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--phases", type=int, default=200_000, help="phase enter/exit pairs per repeat")
-    parser.add_argument("--steps", type=int, default=150, help="MLP steps per repeat")
+    parser.add_argument("--steps", type=int, default=150, help="GPU MLP steps per repeat")
+    parser.add_argument("--blocks", type=int, default=200, help="interleaved off/on blocks of CPU MLP steps")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -177,27 +187,37 @@ def main() -> None:
     disabled = Scope(enabled=False)
 
     runs: dict[str, list[float]] = {k: [] for k in ("floor", "disabled", "enabled", "enabled_floor")}
-    step_runs: dict[str, list[float]] = {k: [] for k in ("mlp_off", "mlp_on", "empty_off", "empty_on")}
-    train_steps_s(disabled, 20, model, opt, batches)  # warm torch up
+    step_runs: dict[str, list[float]] = {k: [] for k in ("empty_off", "empty_on")}
+    mlp: dict[str, list[float]] = {"off": [], "on": [], "off_again": []}
+    train_step_times_s(disabled, 20, model, opt, batches)  # warm torch up
+    # Short interleaved blocks in alternating order and the median of per-step times: drift and scheduler spikes
+    # hit every variant alike and do not move a median. "off_again" is an A/A control: its ratio to "off" is the
+    # noise floor of this comparison on this machine.
+    variants = [("off", lambda: disabled), ("on", make_enabled), ("off_again", lambda: disabled)]
+    for block in range(args.blocks):
+        for name, make in variants if block % 2 == 0 else variants[::-1]:
+            mlp[name] += train_step_times_s(make(), 10, model, opt, batches)
     for _ in range(args.repeats):
         runs["floor"].append(per_phase_ns(_Floor(), args.phases))
         runs["disabled"].append(per_phase_ns(disabled, args.phases))
         runs["enabled_floor"].append(step_loop_floor_ns(args.phases))
         runs["enabled"].append(enabled_per_phase_ns(args.phases))
-        step_runs["mlp_off"].append(train_steps_s(disabled, args.steps, model, opt, batches))
-        step_runs["mlp_on"].append(train_steps_s(make_enabled(), args.steps, model, opt, batches))
         step_runs["empty_off"].append(empty_steps_s(disabled, 20_000))
         step_runs["empty_on"].append(empty_steps_s(make_enabled(), 20_000))
 
     med = {k: statistics.median(v) for k, v in runs.items()}
     smed = {k: statistics.median(v) for k, v in step_runs.items()}
     # Ratios per repeat (paired, same moment), then the median: robust to drift between repeats.
-    mlp_ratio = statistics.median(a / b for a, b in zip(step_runs["mlp_on"], step_runs["mlp_off"], strict=True))
+    mlp_off, mlp_on = statistics.median(mlp["off"]), statistics.median(mlp["on"])
+    mlp_ratio = mlp_on / mlp_off
+    mlp_aa_ratio = statistics.median(mlp["off_again"]) / mlp_off
     disabled_ratio = statistics.median(a / b for a, b in zip(runs["disabled"], runs["floor"], strict=True))
     enabled_excess = statistics.median(a - b for a, b in zip(runs["enabled"], runs["enabled_floor"], strict=True))
     empty_excess_us = statistics.median(
         (a - b) * 1e6 for a, b in zip(step_runs["empty_on"], step_runs["empty_off"], strict=True)
     )
+    # The MLP loop has the same phases as the empty loop, so its added cost per step is the empty loop's excess.
+    mlp_overhead_pct = 100 * empty_excess_us / (mlp_off * 1e6)
     result = {
         "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
         "python": platform.python_version(),
@@ -211,14 +231,17 @@ def main() -> None:
         "empty_step_us_disabled": smed["empty_off"] * 1e6,
         "empty_step_us_enabled": smed["empty_on"] * 1e6,
         "empty_step_excess_us": empty_excess_us,
-        "mlp_step_ms_disabled": smed["mlp_off"] * 1e3,
-        "mlp_step_ms_enabled": smed["mlp_on"] * 1e3,
+        "mlp_step_ms_disabled": mlp_off * 1e3,
+        "mlp_step_ms_enabled": mlp_on * 1e3,
+        "mlp_steps_per_variant": len(mlp["off"]),
         "mlp_step_ratio": mlp_ratio,
+        "mlp_step_aa_ratio": mlp_aa_ratio,
+        "mlp_overhead_pct_from_excess": mlp_overhead_pct,
     }
     targets = {
         "disabled within 10% of floor": disabled_ratio <= 1.10,
         "enabled <= 1 us/phase above floor": enabled_excess <= 1000,
-        "<= 1% on the MLP step": mlp_ratio <= 1.01,
+        "<= 1% on the MLP step": mlp_overhead_pct <= 1.0,
     }
     print(f"python {result['python']}, torch {result['torch']}, {args.repeats} repeats (medians)")
     print(f"floor     {med['floor']:8.1f} ns/phase")
@@ -228,7 +251,11 @@ def main() -> None:
         f"empty step (3 phases + data + step): {smed['empty_off'] * 1e6:.2f} us off, "
         f"{smed['empty_on'] * 1e6:.2f} us on, excess {empty_excess_us:.2f} us/step"
     )
-    print(f"MLP step: {smed['mlp_off'] * 1e3:.3f} ms off, {smed['mlp_on'] * 1e3:.3f} ms on, ratio {mlp_ratio:.4f}")
+    print(
+        f"MLP step (median of {len(mlp['off'])} per variant): {mlp_off * 1e3:.3f} ms off, "
+        f"{mlp_on * 1e3:.3f} ms on, ratio {mlp_ratio:.4f} (A/A control {mlp_aa_ratio:.4f}); "
+        f"added cost {empty_excess_us:.2f} us/step = {mlp_overhead_pct:.2f}% of the step"
+    )
     if torch.cuda.is_available():
         gpu = cuda_figures(args.repeats, 20_000, args.steps)
         result.update(gpu)
