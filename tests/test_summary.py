@@ -4,7 +4,17 @@ import orjson
 import pytest
 
 from stepscope import Fix, PhaseStats, RunSummary, Scope, SummaryError, Verdict
-from stepscope.summary import SCHEMA_VERSION, Meta, Steps, Throughput
+from stepscope.summary import (
+    SCHEMA_VERSION,
+    Cluster,
+    Epoch,
+    Exit,
+    LoaderInfo,
+    Meta,
+    Steps,
+    Straggler,
+    Throughput,
+)
 
 
 def full_summary():
@@ -51,7 +61,37 @@ def full_summary():
             ),
         ],
         system={"cpu_count": 16, "gpus": [{"name": "H100", "memory_gb": 80}], "nested": {"a": [1, 2.5, None]}},
-        ranks=[{"rank": 0, "step_time_ms": 100.0}, {"rank": 1, "step_time_ms": 104.5}],
+        ranks=[
+            RunSummary(meta=Meta(rank=0), throughput=Throughput(samples_per_s=160.0)),
+            RunSummary(meta=Meta(rank=1), throughput=Throughput(samples_per_s=158.5), notes=["rank 1 note"]),
+        ],
+        loaders=[
+            LoaderInfo(
+                index=0,
+                dataset="ImageFolder",
+                batch_size=32,
+                num_workers=4,
+                pin_memory=True,
+                persistent_workers=False,
+                prefetch_factor=2,
+                drop_last=False,
+                iterable=False,
+                length=100,
+                batches=500,
+                samples=16000,
+                fetch_s=30.6,
+            )
+        ],
+        epochs=[Epoch(loader=0, index=0, time_s=9.8, batches=100, samples=3200, start_stall_ms=812.5, complete=True)],
+        counters={"item_calls": 1.0, "host_syncs": 1.0},
+        exit=Exit(reason="stopped", code=0),
+        cluster=Cluster(
+            world_size=2,
+            ranks_reported=[0, 1],
+            samples_per_s=318.5,
+            phases={"data_wait": {"min_ms": 60.0, "mean_ms": 61.25, "max_ms": 62.5}},
+            straggler=Straggler(rank=1, phase="data_wait", excess_ms=1.25),
+        ),
         meta=Meta(
             stepscope_version="0.1.0",
             torch_version="2.13.0",

@@ -16,6 +16,64 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
+_RUN_VALUED = {"--warmup", "--steps", "--json", "--batch-size"}
+
+
+def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``run``'s arguments into stepscope's options and the command: the command starts at the first
+    word that is not one of stepscope's options (or its value), at ``-m``, or after ``--``; everything from
+    there on belongs to the script, even words that look like stepscope's options."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--" or word == "-m" or not word.startswith("-"):
+            break
+        if word in _RUN_VALUED:
+            i += 1
+        i += 1
+    return argv[:i], argv[i:]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stepscope.instrument.launch import command_target, module_target, run, script_target
+    from stepscope.instrument.tracker import RunConfig
+    from stepscope.report.terminal import print_summary
+
+    command = args.command
+    if not command:
+        raise UsageError(f"nothing to run. usage: {RUN_USAGE}")
+    if command[0] == "--":
+        target = command_target(command[1:])
+    elif command[0] == "-m":
+        if len(command) < 2:
+            raise UsageError("-m needs a module name, e.g. stepscope run -m package.train")
+        target = module_target(command[1], command[2:])
+    else:
+        target = script_target(command[0], command[1:])
+    config = RunConfig(
+        out_dir="", warmup=args.warmup, steps=args.steps, stop=not args.no_stop, batch_size=args.batch_size
+    )
+    code, summary = run(target, config)
+    sys.stdout.flush()
+    print_summary(summary)
+    if args.json:
+        summary.to_json(args.json)
+        print(f"summary written to {args.json}")
+    return code
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one sentence, exit code 2."""
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepscope", description="Where does my PyTorch training step time go, and what to fix first."
@@ -25,19 +83,39 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print the phase table of a saved summary JSON")
     show.add_argument("summary", help="path to a summary written by Scope.summary().to_json() or --json")
     show.set_defaults(func=_show)
+
+    run = commands.add_parser(
+        "run",
+        help="profile an unmodified training script (or a torchrun/accelerate command) and name the bottleneck",
+        usage=RUN_USAGE,
+    )
+    run.add_argument("--warmup", type=_non_negative, default=20, help="steps to skip before measuring (default 20)")
+    run.add_argument("--steps", type=_non_negative, default=200, help="steps to measure, then stop (default 200)")
+    run.add_argument("--no-stop", action="store_true", help="let the script run to its end")
+    run.add_argument("--json", metavar="PATH", help="write the RunSummary here")
+    run.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
+    run.set_defaults(func=_run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for bad input)."""
+    from stepscope.instrument.launch import LaunchError
+
+    argv = sys.argv[1:] if argv is None else argv
+    command: list[str] = []
+    if argv[:1] == ["run"]:
+        options, command = _split_run(argv[1:])
+        argv = ["run", *options]
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    args.command = command
     try:
         return args.func(args)
-    except SummaryError as error:
+    except (SummaryError, LaunchError, UsageError) as error:
         print(f"stepscope: {error}", file=sys.stderr)
         return 2
 

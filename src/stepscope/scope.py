@@ -292,11 +292,13 @@ class Scope:
             thru = f"thru={1 / step_s:.2f} step/s" if step_s > 0 else "thru=-"
         return f"step={step_s * 1e3:.0f}ms data={data_pct:.0f}% {thru}"
 
-    def summary(self) -> RunSummary:
-        """The RunSummary of the measured steps. Reads outstanding device events, synchronising once if any are
-        still in flight: call it after the loop, not inside it."""
+    def summary(self, drain: bool = True) -> RunSummary:
+        """The RunSummary of the measured steps. With ``drain`` (the default) it reads outstanding device events,
+        synchronising once if any are still in flight: call it after the loop. ``drain=False`` never waits (for
+        checkpoints inside the loop): steps still in flight then lack device time."""
         try:
-            for record, device_s in self._device.drain():
+            harvested = self._device.drain() if drain else self._device.harvest()
+            for record, device_s in harvested:
                 self._recorder.add_device(record, device_s)
         except Exception as error:
             self._fail(error)
@@ -381,6 +383,14 @@ class Scope:
             hostname=socket.gethostname(),
             python_version=platform.python_version(),
         )
+
+
+def enabled_scope(**kwargs: Any) -> Scope:
+    """An enabled Scope whatever ``STEPSCOPE`` says: the one ``stepscope run`` builds for a script it was asked to
+    measure (the variable still governs any Scope the script makes itself)."""
+    scope = object.__new__(Scope)
+    scope.__init__(**kwargs)
+    return scope
 
 
 def _cuda_available() -> bool:

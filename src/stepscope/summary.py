@@ -100,6 +100,67 @@ class Meta:
 
 
 @dataclass
+class LoaderInfo:
+    """A DataLoader the run iterated, its settings, and what was fetched from it."""
+
+    index: int
+    dataset: str
+    batch_size: int | None
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+    drop_last: bool
+    iterable: bool  # an IterableDataset (no sampler, maybe no length)
+    length: int | None  # batches per epoch, when known
+    batches: int = 0
+    samples: int = 0
+    fetch_s: float = 0.0
+
+
+@dataclass
+class Epoch:
+    """One pass over a DataLoader (a fresh iterator over it)."""
+
+    loader: int
+    index: int
+    time_s: float
+    batches: int
+    samples: int
+    start_stall_ms: float | None  # the first fetch of the epoch: worker start-up and first batches
+    complete: bool  # ended by exhausting the loader (not cut short by the end of the run)
+
+
+@dataclass
+class Exit:
+    """How the measured process ended."""
+
+    reason: str = "finished"  # "finished" | "stopped" (after --steps) | "error" | "interrupted" | "terminated"
+    code: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Straggler:
+    """The slowest rank and the phase that makes it slow."""
+
+    rank: int
+    phase: str
+    excess_ms: float  # that rank's mean phase time above the median rank's
+
+
+@dataclass
+class Cluster:
+    """Figures across the ranks of a multi-rank run."""
+
+    world_size: int
+    ranks_reported: list[int]
+    samples_per_s: float | None  # sum over ranks
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {min_ms, mean_ms, max_ms}
+    straggler: Straggler | None = None
+
+
+@dataclass
 class RunSummary:
     """Everything stepscope measured and concluded about one run (or one rank of a run)."""
 
@@ -109,9 +170,14 @@ class RunSummary:
     verdict: Verdict = field(default_factory=Verdict)
     fixes: list[Fix] = field(default_factory=list)
     system: dict[str, Any] = field(default_factory=dict)
-    ranks: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[RunSummary] = field(default_factory=list)
     meta: Meta = field(default_factory=Meta)
     notes: list[str] = field(default_factory=list)
+    loaders: list[LoaderInfo] = field(default_factory=list)
+    epochs: list[Epoch] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # per measured step: item_calls, host_syncs, ...
+    exit: Exit | None = None
+    cluster: Cluster | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,9 +221,14 @@ class RunSummary:
                 verdict=_build(Verdict, data.get("verdict", {})),
                 fixes=[_build(Fix, f) for f in data.get("fixes", [])],
                 system=dict(data.get("system", {})),
-                ranks=list(data.get("ranks", [])),
+                ranks=[cls.from_dict(r, source=f"{source} (a rank)") for r in data.get("ranks", [])],
                 meta=_build(Meta, data.get("meta", {})),
                 notes=list(data.get("notes", [])),
+                loaders=[_build(LoaderInfo, x) for x in data.get("loaders", [])],
+                epochs=[_build(Epoch, x) for x in data.get("epochs", [])],
+                counters=dict(data.get("counters", {})),
+                exit=None if data.get("exit") is None else _build(Exit, data["exit"]),
+                cluster=None if data.get("cluster") is None else _cluster(data["cluster"]),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:
@@ -178,6 +249,14 @@ class RunSummary:
         except orjson.JSONDecodeError as exc:
             raise SummaryError(f"{path} is not valid JSON ({exc}).") from exc
         return cls.from_dict(data, source=str(path))
+
+
+def _cluster(data: dict[str, Any]) -> Cluster:
+    data = dict(data)
+    straggler = data.pop("straggler", None)
+    cluster = _build(Cluster, data)
+    cluster.straggler = None if straggler is None else _build(Straggler, straggler)
+    return cluster
 
 
 def _build(cls: type, data: Any) -> Any:

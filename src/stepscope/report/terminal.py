@@ -79,8 +79,43 @@ def throughput_line(summary: RunSummary) -> str:
     return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup})"
 
 
+def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
+    """One row per rank: step time, each phase's mean, samples/s."""
+    names = [n for n in summary.phases if n != TOTAL]
+    table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("rank")
+    table.add_column("step ms", justify="right")
+    for name in names:
+        table.add_column(f"{escape(name)} ms", justify="right")
+    table.add_column("samples/s", justify="right")
+    for rank in summary.ranks:
+        phases = rank.phases
+        row = [str(rank.meta.rank if rank.meta.rank is not None else "?")]
+        row.append(_fmt_ms(phases[TOTAL].mean_ms) if TOTAL in phases else "-")
+        row += [_fmt_ms(phases[n].mean_ms) if n in phases else "-" for n in names]
+        rate = rank.throughput.samples_per_s
+        row.append("-" if rate is None else f"{rate:.1f}")
+        table.add_row(*row)
+    return table
+
+
+def exit_line(summary: RunSummary) -> str | None:
+    """How the measured command ended, in words."""
+    end = summary.exit
+    if end is None:
+        return None
+    code = "" if end.code is None else f" (exit code {end.code})"
+    if end.reason == "stopped":
+        return f"stopped after {summary.steps.measured} measured steps{code}; --no-stop lets the script finish"
+    if end.reason == "error":
+        return f"the script failed: {end.error}{code}; the figures are from the steps before the failure"
+    if end.reason in ("terminated", "interrupted"):
+        return f"the run was {end.reason}{code}; the figures are from the steps before it ended"
+    return f"the script finished{code}"
+
+
 def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
-    """Print the phase table, throughput, verdict and notes of a summary."""
+    """Print the phase table, throughput, verdict and notes of a summary (and its ranks, for several)."""
     console = _console(file)
     timing = "CUDA events (gpu columns) + host clock" if summary.meta.timing == "cuda" else "host clock"
     console.print(
@@ -92,5 +127,17 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
         verdict = summary.verdict
         evidence = f" ({'; '.join(verdict.evidence)})" if verdict.evidence else ""
         console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
+    if summary.ranks:
+        cluster = summary.cluster
+        console.print(f"ranks: {len(summary.ranks)} of {cluster.world_size if cluster else '?'} reported", markup=False)
+        console.print(rank_table(summary, ascii_only=_plain(console)))
+        if cluster and cluster.straggler:
+            s = cluster.straggler
+            console.print(
+                f"straggler: rank {s.rank}, {s.phase} +{s.excess_ms:.1f} ms over the median rank", markup=False
+            )
+    line = exit_line(summary)
+    if line:
+        console.print(line, markup=False)
     for note in summary.notes:
         console.print(f"note: {note}", markup=False)

@@ -1,0 +1,1 @@
+"""The doctor: from measured facts to a verdict and ranked fixes."""

@@ -1,0 +1,158 @@
+"""Instruments a Python process that ``stepscope run`` started (directly, or through a launcher such as torchrun).
+
+``stepscope run`` puts ``instrument/site/`` on PYTHONPATH and its RunConfig in ``STEPSCOPE_RUN``; the
+``sitecustomize`` there calls ``activate()`` in every Python process of the command. Activation costs nothing
+until the process imports torch; then the hooks go in, and at exit the process writes its summary into the run
+folder, when it trained (or is the script itself). Rank files are named by rank and pid, so they never
+overwrite each other. Anything that goes wrong here is reported once on stderr, and the script runs on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stepscope.summary import Exit
+
+ENV_CONFIG = "STEPSCOPE_RUN"
+
+_state: dict[str, Any] = {}
+
+
+def _warn(what: str, error: BaseException) -> None:
+    print(f"stepscope: {what} ({type(error).__name__}: {error}); the script runs on unmeasured.", file=sys.stderr)
+
+
+def activate() -> None:
+    """Called from sitecustomize: instrument this process once it imports torch, if ``stepscope run`` asked."""
+    raw = os.environ.get(ENV_CONFIG)
+    if not raw or "active" in _state:
+        return
+    _state["active"] = True
+    try:
+        from stepscope.instrument.tracker import RunConfig
+
+        config = RunConfig(**json.loads(raw))
+        if "torch" in sys.modules:
+            _start(config)
+        else:
+            sys.meta_path.insert(0, _AfterImport("torch", lambda: _start(config)))
+    except Exception as error:
+        _warn("could not set up instrumentation", error)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a module's first import completes (it removes itself on first use)."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self._name = name
+        self._callback = callback
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self._name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        callback = self._callback
+
+        def exec_then_call(module: Any) -> None:
+            exec_module(module)
+            callback()
+
+        spec.loader.exec_module = exec_then_call  # type: ignore[method-assign]
+        return spec
+
+
+def _start(config: Any) -> None:
+    try:
+        from stepscope.instrument.hooks import install
+        from stepscope.instrument.tracker import Tracker
+        from stepscope.scope import enabled_scope
+
+        scope = enabled_scope(warmup=config.warmup)
+        tracker = Tracker(scope, config)
+        install(tracker)
+    except Exception as error:
+        _warn("could not install the training hooks", error)
+        return
+    _state["tracker"] = tracker
+    tracker.on_checkpoint = lambda: _write(tracker, final=False)
+    atexit.register(_write, tracker, True)
+    _chain_excepthook(tracker)
+    # Only where nobody else handles SIGTERM, and only from the main thread (signal() refuses elsewhere).
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    tracker = _state.get("tracker")
+    if tracker is not None and tracker.outcome is None:
+        tracker.outcome = Exit(reason="terminated", code=128 + signum, error="SIGTERM")
+    raise SystemExit(128 + signum)
+
+
+def _chain_excepthook(tracker: Any) -> None:
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if tracker.outcome is None:
+            if issubclass(kind, KeyboardInterrupt):
+                tracker.outcome = Exit(reason="interrupted", code=130, error="KeyboardInterrupt")
+            else:
+                tracker.outcome = Exit(reason="error", code=1, error=f"{kind.__name__}: {value}")
+        previous(kind, value, tb)  # the script's traceback, printed as Python prints it
+
+    sys.excepthook = excepthook
+
+
+def _rank_meta() -> tuple[int | None, int | None, int | None]:
+    def env_int(name: str) -> int | None:
+        value = os.environ.get(name)
+        return int(value) if value and value.lstrip("-").isdigit() else None
+
+    rank, local_rank, world = env_int("RANK"), env_int("LOCAL_RANK"), env_int("WORLD_SIZE")
+    if rank is None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                rank, world = dist.get_rank(), dist.get_world_size()
+        except Exception:
+            pass
+    return rank, local_rank, world
+
+
+def _write(tracker: Any, final: bool) -> None:
+    """Write this process's summary into the run folder (atomically: a reader never sees half a file)."""
+    config = tracker.config
+    is_script = not config.launcher and os.getppid() == config.parent_pid
+    if not (tracker.trained or is_script):
+        return  # a launcher, a loader worker, a compile worker: nothing to say
+    try:
+        from stepscope.doctor.verdict import classify
+
+        summary = tracker.summary(drain=final)
+        rank, local_rank, world = _rank_meta()
+        summary.meta.rank, summary.meta.local_rank, summary.meta.world_size = rank, local_rank, world
+        summary.verdict = classify(summary)
+        if not final:
+            summary.exit = Exit(reason="running")
+        out = Path(config.out_dir)
+        path = out / f"rank{rank if rank is not None else 0}-pid{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        summary.to_json(tmp)
+        tmp.replace(path)
+    except Exception as error:
+        print(f"stepscope: could not write the summary ({type(error).__name__}: {error}).", file=sys.stderr)

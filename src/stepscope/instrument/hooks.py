@@ -1,0 +1,203 @@
+"""The hooks that report an unmodified script's training events to a Tracker.
+
+Each hook wraps one torch entry point and stays cheap where it does not apply: an inner module call or a
+``.to()`` of a tensor that did not come from the loader costs one Python call and a check. The outermost module
+call is found by wrapping ``nn.Module.__call__`` rather than with torch's global module hooks, which switch every
+module call to the slow hook path (+1.9 us per module call measured on the dev machine, against +0.17 us here).
+Inside a ``torch.compile`` trace every wrapper steps aside so that compiled graphs are unchanged.
+
+``install`` returns a function that removes every hook (tests install and remove them in-process).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from stepscope.instrument.tracker import Tracker
+
+
+def install(tracker: Tracker) -> Callable[[], None]:
+    """Hook torch's training entry points to ``tracker``; returns the function that removes them."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    compiling = torch.compiler.is_compiling
+    undo: list[Callable[[], None]] = []
+
+    def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(owner, name, wrapper)
+        undo.append(lambda: setattr(owner, name, original))
+
+    # data_wait, epochs, batch size ------------------------------------------------------------------------------
+    def make_iter(original: Any) -> Any:
+        def __iter__(self: Any) -> Any:
+            iterator = original(self)
+            if tracker.active:
+                tracker.epoch_begin(self, iterator)
+            return iterator
+
+        return __iter__
+
+    def make_next(original: Any) -> Any:
+        def __next__(self: Any) -> Any:
+            if not tracker.active:
+                return original(self)
+            t0 = tracker.fetch_begin()
+            try:
+                batch = original(self)
+            except StopIteration:
+                tracker.fetch_end(self, None, t0, exhausted=True)
+                raise
+            except BaseException:
+                tracker.fetch_end(self, None, t0)
+                raise
+            tracker.fetch_end(self, batch, t0)
+            return batch
+
+        return __next__
+
+    patch(DataLoader, "__iter__", make_iter)
+    patch(_BaseDataLoaderIter, "__next__", make_next)
+
+    # h2d: copies of the loader's tensors ---------------------------------------------------------------------
+    def make_copy(original: Any) -> Any:
+        def copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if compiling() or id(self) not in tracker.batch_ids or not tracker.active:
+                return original(self, *args, **kwargs)
+            tracker.enter("h2d")
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                tracker.exit("h2d")
+
+        return copy
+
+    patch(torch.Tensor, "to", make_copy)
+    patch(torch.Tensor, "cuda", make_copy)
+
+    # forward: the outermost module call ------------------------------------------------------------------------
+    def make_call(original: Any) -> Any:
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Inner module calls leave here after three attribute checks.
+            if tracker.in_forward or tracker.in_fetch or not tracker.active or compiling():
+                return original(self, *args, **kwargs)
+            if not tracker.forward_begin():
+                return original(self, *args, **kwargs)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                tracker.forward_end()
+
+        return __call__
+
+    patch(nn.Module, "__call__", make_call)
+
+    # backward ---------------------------------------------------------------------------------------------------
+    def make_backward(original: Any) -> Any:
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if compiling() or not tracker.active or not tracker.backward_begin():
+                return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker.backward_end()
+
+        return backward
+
+    patch(torch.Tensor, "backward", make_backward)
+    patch(torch.autograd, "backward", make_backward)
+
+    # plain phases: clip, zero_grad ------------------------------------------------------------------------------
+    def make_phase(phase: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                if compiling() or not tracker.active:
+                    return original(*args, **kwargs)
+                tracker.enter(phase)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    tracker.exit(phase)
+
+            return timed
+
+        return make
+
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        # Both modules export the function; a script may import it from either.
+        patch(clip_grad, name, make_phase("clip"))
+        patch(nn.utils, name, make_phase("clip"))
+    patch(torch.amp.GradScaler, "unscale_", make_phase("clip"))
+    patch(torch.optim.Optimizer, "zero_grad", make_phase("zero_grad"))
+    patch(nn.Module, "zero_grad", make_phase("zero_grad"))
+
+    # optimizer: global step hooks, and construction (which decides the step boundary) ----------------------
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def step_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if tracker.active:
+            tracker.enter("optimizer")
+
+    def step_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if tracker.active:
+            tracker.optimizer_step_end(optimizer)
+
+    pre, post = register_optimizer_step_pre_hook(step_pre), register_optimizer_step_post_hook(step_post)
+    undo.extend((pre.remove, post.remove))
+
+    def make_init(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            tracker.optimizers_created += 1
+
+        return __init__
+
+    patch(torch.optim.Optimizer, "__init__", make_init)
+
+    # sync: host-device synchronisations, and .item()/.tolist() counts ------------------------------------------
+    def make_scalar(original: Any) -> Any:
+        def scalar(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if compiling() or not tracker.active or tracker.in_fetch:
+                return original(self, *args, **kwargs)
+            tracker.count("item_calls")
+            if self.is_cpu:
+                return original(self, *args, **kwargs)
+            return tracker.sync(original, self, *args, **kwargs)
+
+        return scalar
+
+    def make_cpu(original: Any) -> Any:
+        def cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if compiling() or self.is_cpu or not tracker.active or tracker.in_fetch:
+                return original(self, *args, **kwargs)
+            return tracker.sync(original, self, *args, **kwargs)
+
+        return cpu
+
+    def make_synchronize(original: Any) -> Any:
+        def synchronize(*args: Any, **kwargs: Any) -> Any:
+            if compiling() or not tracker.active:
+                return original(*args, **kwargs)
+            return tracker.sync(original, *args, **kwargs)
+
+        return synchronize
+
+    patch(torch.Tensor, "item", make_scalar)
+    patch(torch.Tensor, "tolist", make_scalar)
+    patch(torch.Tensor, "cpu", make_cpu)
+    patch(torch.cuda, "synchronize", make_synchronize)
+
+    def uninstall() -> None:
+        while undo:
+            undo.pop()()
+
+    return uninstall

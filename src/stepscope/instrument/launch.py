@@ -1,0 +1,138 @@
+"""``stepscope run``'s side of a measured run: start the command instrumented, wait, merge the ranks, report.
+
+The command runs in a child process exactly as it would without stepscope (a script as ``__main__``, its
+output and tracebacks unchanged), with ``instrument/site`` on PYTHONPATH so that every Python process it
+starts — torchrun's ranks included — is instrumented (see bootstrap.py). Each process that trains writes its
+summary into a private run folder; once the command has exited, the files are merged. Nothing here waits on a
+rank: a rank that died leaves no file, and the merged summary says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepscope.doctor.verdict import classify
+from stepscope.instrument.bootstrap import ENV_CONFIG
+from stepscope.instrument.merge import merge
+from stepscope.instrument.tracker import RunConfig
+from stepscope.summary import Exit, RunSummary, SummaryError
+
+
+class LaunchError(Exception):
+    """The command could not be started (missing script, unknown launcher)."""
+
+
+@dataclass
+class Target:
+    """What to run: the argv, and whether it is a launcher that starts the training processes itself."""
+
+    argv: list[str]
+    launcher: bool
+
+
+def script_target(script: str, args: list[str]) -> Target:
+    """``python SCRIPT ARGS``; the script must exist."""
+    path = Path(script)
+    if not path.is_file():
+        why = "it is a directory" if path.is_dir() else "no such file"
+        raise LaunchError(f"cannot run {script}: {why}.")
+    return Target([sys.executable, script, *args], launcher=False)
+
+
+def module_target(module: str, args: list[str]) -> Target:
+    """``python -m MODULE ARGS``."""
+    return Target([sys.executable, "-m", module, *args], launcher=False)
+
+
+def command_target(command: list[str]) -> Target:
+    """Any launcher command (torchrun, accelerate launch, python ...); it must be found on PATH."""
+    if not command:
+        raise LaunchError("nothing to run after '--': give a command, e.g. -- torchrun --nproc-per-node 2 train.py")
+    if shutil.which(command[0]) is None and not Path(command[0]).is_file():
+        raise LaunchError(f"cannot run {command[0]!r}: not found on PATH.")
+    return Target(list(command), launcher=True)
+
+
+def _child_env(config: RunConfig) -> dict[str, str]:
+    import stepscope
+
+    site = Path(__file__).parent / "site"
+    package_root = Path(stepscope.__file__).resolve().parent.parent
+    existing = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(package_root), *([existing] if existing else [])])
+    env[ENV_CONFIG] = json.dumps(dataclasses.asdict(config))
+    return env
+
+
+def _wait(process: subprocess.Popen[bytes]) -> int:
+    """Wait for the command. Ctrl-C reaches it from the terminal, so this process ignores its own copy (and
+    lives to report); a SIGTERM sent to stepscope is passed on to the command."""
+
+    def forward(signum: int, frame: object) -> None:
+        process.send_signal(signum)
+
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, forward)
+    try:
+        code = process.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous_term)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
+
+
+def _read_ranks(out_dir: Path) -> tuple[list[RunSummary], list[str]]:
+    summaries, notes = [], []
+    for path in sorted(out_dir.glob("rank*-pid*.json")):
+        try:
+            summaries.append(RunSummary.from_json(path))
+        except SummaryError as error:
+            notes.append(f"a rank's summary could not be read: {error}")
+    return summaries, notes
+
+
+def run(target: Target, config: RunConfig) -> tuple[int, RunSummary]:
+    """Run the target instrumented; returns its exit code and the (merged) summary."""
+    out_dir = Path(tempfile.mkdtemp(prefix="stepscope-run-"))
+    config = dataclasses.replace(config, out_dir=str(out_dir), launcher=target.launcher, parent_pid=os.getpid())
+    try:
+        try:
+            process = subprocess.Popen(target.argv, env=_child_env(config))
+        except OSError as error:
+            raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
+        code = _wait(process)
+        summaries, notes = _read_ranks(out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    if summaries:
+        summary = merge(summaries)
+    else:
+        summary = RunSummary(
+            notes=[
+                "no process of the command reported a summary: it ended before importing torch, or no process "
+                "ran a training step (with a launcher, only processes that call backward() or optimizer.step() "
+                "report)."
+            ]
+        )
+        summary.meta.command = " ".join(target.argv)
+    summary.notes += notes
+    exit_info = summary.exit or Exit()
+    summary.exit = dataclasses.replace(exit_info, code=code)
+    if summary.ranks:
+        summary.verdict = classify(summary)
+        if summary.cluster and summary.cluster.straggler:
+            s = summary.cluster.straggler
+            summary.verdict.evidence.append(
+                f"rank {s.rank} is the straggler: its {s.phase} is {s.excess_ms:.1f} ms above the median rank's"
+            )
+    return code, summary

@@ -1,0 +1,396 @@
+"""What auto-instrumentation knows about a running script: which phase owns the clock, where steps end, what
+the loaders did.
+
+Hooks (hooks.py) report events — a fetch began, the outermost module call ended, an optimizer stepped — and the
+tracker turns them into phase time on a Scope. Time is exclusive: the innermost open phase owns the clock, so an
+``.item()`` inside forward is ``sync`` time and the forward/backward that LBFGS runs inside ``optimizer.step``
+are forward and backward time.
+
+Step boundary: the optimizer step. With several optimizers (a GAN), one step is one round: the step closes after
+the last optimizer of the round (learned while running). A script that never builds an optimizer is stepped by
+its backward calls: the step closes when the next iteration begins (next fetch, forward or backward).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepscope.scope import Scope
+from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
+
+COUNTERS = ("batches", "forward_calls", "backward_calls", "optimizer_steps", "item_calls", "host_syncs")
+
+
+class StopRun(SystemExit):
+    """Ends the script like ``sys.exit(0)`` once the requested steps are measured. A SystemExit, so a script's
+    ``except Exception`` does not swallow it and ``finally`` blocks still run."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+@dataclass
+class RunConfig:
+    """What ``stepscope run`` asks of each instrumented process (passed through the environment as JSON)."""
+
+    out_dir: str
+    warmup: int = 20
+    steps: int = 200
+    stop: bool = True
+    batch_size: int | None = None
+    launcher: bool = False  # a launcher command: only processes that train write a summary
+    parent_pid: int = 0  # stepscope's own pid: its direct child is the script (script and -m modes)
+    checkpoint_s: float = 30.0  # write the summary so far this often, so a killed process leaves its figures
+
+
+@dataclass
+class _LoaderState:
+    info: LoaderInfo
+    epochs: int = 0
+    epoch_start_ns: int = 0
+    epoch_batches: int = 0
+    epoch_samples: int = 0
+    epoch_stall_ns: int | None = None
+    epoch_open: bool = False
+    done: list[Epoch] = field(default_factory=list)
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An event handler whose own errors stop measurement instead of reaching the user's script."""
+
+    @functools.wraps(method)
+    def guarded(self: Tracker, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            self.fail(error)
+            return None
+
+    return guarded
+
+
+class Tracker:
+    """Turns hook events into exclusive phase time, step boundaries, loader epochs and per-step counters."""
+
+    def __init__(self, scope: Scope, config: RunConfig) -> None:
+        self.scope = scope
+        self.config = config
+        self._clock = scope._clock
+        self.active = True
+        self._stack: list[str] = []
+        self._segment_start = 0
+        self._segment_event: Any = None
+        # step boundary
+        self.boundary: str | None = None
+        self.optimizers_created = 0
+        self._round: set[int] = set()
+        self._closer: int | None = None
+        self._backward_pending = False
+        # per step and per run
+        self._step_counts = dict.fromkeys(COUNTERS, 0)
+        self._step_samples = 0
+        self.totals = dict.fromkeys(COUNTERS, 0)  # over measured steps
+        self.seen = dict.fromkeys(COUNTERS, 0)  # over the whole run
+        self.stopped = False
+        self.outcome: Exit | None = None  # how the process ended, when known (error, signal)
+        self.failure: str | None = None  # stepscope's own error that stopped measuring
+        # loaders
+        self._loaders: dict[int, _LoaderState] = {}
+        self._iterators: weakref.WeakKeyDictionary[Any, _LoaderState] = weakref.WeakKeyDictionary()
+        self.in_fetch = False
+        self.in_forward = False
+        self.batch_ids: frozenset[int] = frozenset()
+        self._last_checkpoint_ns = self._clock()
+        self.on_checkpoint: Callable[[], None] | None = None
+
+    # -- exclusive phase time ----------------------------------------------------------------------------------
+
+    @_guarded
+    def enter(self, name: str) -> None:
+        """A phase begins; it owns the clock until it ends or an inner phase begins."""
+        now = self._clock()
+        if self.scope._step_start_ns is None:
+            self.scope._step_start_ns = now
+        if self._stack:
+            self._close_segment(now)
+        self._stack.append(name)
+        self._open_segment(now)
+
+    @_guarded
+    def exit(self, name: str) -> None:
+        """A phase ends; the phase it interrupted (if any) owns the clock again. Phases opened above it whose end
+        was never reported (a hook that did not fire after an exception) end with it."""
+        stack = self._stack
+        if name not in stack:
+            return  # already closed at a step boundary
+        now = self._clock()
+        self._close_segment(now)
+        while stack.pop() != name:
+            pass
+        if stack:
+            self._open_segment(now)
+
+    def _open_segment(self, now: int) -> None:
+        self._segment_start = now
+        self._segment_event = self.scope._device.start()
+
+    def _close_segment(self, now: int) -> None:
+        top = self._stack[-1]
+        self.scope._add(top, now - self._segment_start)
+        if self._segment_event is not None:
+            self.scope._device.stop(top, self._segment_event)
+            self._segment_event = None
+
+    @_guarded
+    def count(self, counter: str) -> None:
+        self._step_counts[counter] += 1
+
+    # -- events from the hooks ---------------------------------------------------------------------------------
+
+    @_guarded
+    def epoch_begin(self, loader: Any, iterator: Any) -> None:
+        """``iter(loader)``: a fresh pass over a DataLoader."""
+        state = self._loaders.get(id(loader))
+        if state is None:
+            state = self._loaders[id(loader)] = _LoaderState(_describe_loader(loader, len(self._loaders)))
+        if state.epoch_open:
+            self._end_epoch(state, complete=False)
+        state.epoch_open = True
+        state.epoch_start_ns = self._clock()
+        state.epoch_batches = state.epoch_samples = 0
+        state.epoch_stall_ns = None
+        self._iterators[iterator] = state
+
+    @_guarded
+    def fetch_begin(self) -> int:
+        self._close_backward_step()
+        self.in_fetch = True
+        self.enter("data_wait")
+        return self._clock()
+
+    @_guarded
+    def fetch_end(self, iterator: Any, batch: Any, t0: int, exhausted: bool = False) -> None:
+        self.exit("data_wait")
+        self.in_fetch = False
+        now = self._clock()
+        state = self._iterators.get(iterator)
+        samples = 0
+        if batch is not None:
+            tensors = _tensors(batch)
+            self.batch_ids = frozenset(id(t) for t in tensors)
+            samples = _batch_size(tensors)
+            self._step_samples += samples
+            self.count("batches")
+        if state is not None:
+            state.info.fetch_s += (now - t0) / 1e9
+            if state.epoch_stall_ns is None:
+                state.epoch_stall_ns = now - t0
+            if batch is not None:
+                state.info.batches += 1
+                state.info.samples += samples
+                state.epoch_batches += 1
+                state.epoch_samples += samples
+            if exhausted and state.epoch_open:
+                self._end_epoch(state, complete=True)
+
+    @_guarded
+    def forward_begin(self) -> bool:
+        """The outermost module call begins; returns False when it is not to be timed (inside one already)."""
+        if self.in_forward or self.in_fetch:
+            return False
+        self._close_backward_step()
+        self.in_forward = True
+        self.count("forward_calls")
+        self.enter("forward")
+        return True
+
+    @_guarded
+    def forward_end(self) -> None:
+        self.in_forward = False
+        self.exit("forward")
+
+    @_guarded
+    def backward_begin(self) -> bool:
+        if self._stack and self._stack[-1] == "backward":
+            return False  # Tensor.backward calling torch.autograd.backward
+        self._close_backward_step()
+        self.count("backward_calls")
+        self.enter("backward")
+        return True
+
+    @_guarded
+    def backward_end(self) -> None:
+        self.exit("backward")
+        if self.optimizers_created == 0 and self.boundary != "optimizer.step":
+            self.boundary = "backward"
+            self._backward_pending = True
+
+    @_guarded
+    def optimizer_step_end(self, optimizer: Any) -> None:
+        """After ``optimizer.step``: close the step when this optimizer ends a round."""
+        self.exit("optimizer")
+        self.count("optimizer_steps")
+        self.boundary = "optimizer.step"
+        self._backward_pending = False
+        key = id(optimizer)
+        if key not in self._round:
+            # A new optimizer joins the round after those seen so far: it is now the one that ends a round.
+            self._round.add(key)
+            self._closer = key
+        if key == self._closer:
+            self.close_step()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop measuring after an internal error, said once; the script runs on."""
+        if self.failure is None:
+            self.failure = f"{type(error).__name__}: {error}"
+            print(
+                f"stepscope: measurement stopped after an internal error ({self.failure}); the script runs on.",
+                file=sys.stderr,
+            )
+        self.active = False
+
+    def sync(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a host-device synchronisation as the ``sync`` phase (the op's own errors propagate)."""
+        self.count("host_syncs")
+        self.enter("sync")
+        try:
+            return op(*args, **kwargs)
+        finally:
+            self.exit("sync")
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+
+    def _close_backward_step(self) -> None:
+        if self._backward_pending:
+            self._backward_pending = False
+            self.close_step()
+
+    def close_step(self) -> None:
+        """End the current step; raises StopRun once the requested steps are measured."""
+        scope = self.scope
+        open_phases = bool(self._stack)
+        if open_phases:
+            self._close_segment(self._clock())
+        measuring = scope._recorder.measuring
+        for counter, n in self._step_counts.items():
+            self.seen[counter] += n
+            if measuring:
+                self.totals[counter] += n
+        samples = self._step_samples or self.config.batch_size
+        scope.step(batch_size=samples or None)
+        self._step_counts = dict.fromkeys(COUNTERS, 0)
+        self._step_samples = 0
+        if scope._failed:
+            self.active = False
+            return
+        if open_phases:
+            self._open_segment(scope._step_start_ns or self._clock())
+        if self.on_checkpoint is not None and self._clock() - self._last_checkpoint_ns > self.config.checkpoint_s * 1e9:
+            self._last_checkpoint_ns = self._clock()
+            self.on_checkpoint()
+        if self.config.stop and scope._recorder.measured >= self.config.steps:
+            self.stopped = True
+            self.active = False
+            raise StopRun()
+
+    # -- results ------------------------------------------------------------------------------------------------
+
+    @property
+    def trained(self) -> bool:
+        """True once this process did training work (a backward or an optimizer step)."""
+        counts = (self.seen[c] + self._step_counts[c] for c in ("backward_calls", "optimizer_steps"))
+        return any(counts)
+
+    def summary(self, drain: bool = True) -> RunSummary:
+        """The run's RunSummary so far; ``drain=False`` never waits on the GPU (for checkpoints)."""
+        summary = self.scope.summary(drain=drain)
+        summary.steps.boundary = self.boundary
+        measured = summary.steps.measured
+        if measured:
+            summary.counters = {c: self.totals[c] / measured for c in COUNTERS}
+        states = list(self._loaders.values())
+        summary.loaders = [s.info for s in states]
+        summary.epochs = [e for s in states for e in s.done]
+        now = self._clock()
+        summary.epochs += [self._epoch(s, now, complete=False) for s in states if s.epoch_open]
+        summary.exit = self.outcome or Exit(reason="stopped" if self.stopped else "finished")
+        if self.failure:
+            summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
+        if self.scope._recorder.steps_seen == 0:
+            seen = {c: self.seen[c] + self._step_counts[c] for c in COUNTERS}
+            summary.notes.append(
+                f"no training step was seen: the script fetched {seen['batches']} batch(es) and ran "
+                f"{seen['forward_calls']} forward pass(es), but never called backward() or optimizer.step(); "
+                "stepscope ends a step at an optimizer step (or at a backward call when there is no optimizer)."
+            )
+        return summary
+
+    def _epoch(self, state: _LoaderState, end_ns: int, complete: bool) -> Epoch:
+        return Epoch(
+            loader=state.info.index,
+            index=state.epochs,
+            time_s=(end_ns - state.epoch_start_ns) / 1e9,
+            batches=state.epoch_batches,
+            samples=state.epoch_samples,
+            start_stall_ms=None if state.epoch_stall_ns is None else state.epoch_stall_ns / 1e6,
+            complete=complete,
+        )
+
+    def _end_epoch(self, state: _LoaderState, complete: bool) -> None:
+        state.done.append(self._epoch(state, self._clock(), complete))
+        state.epochs += 1
+        state.epoch_open = False
+
+
+def _tensors(batch: Any, limit: int = 64) -> list[Any]:
+    """The tensors in a batch (a tensor, or tuples/lists/mappings of them three levels deep), at most ``limit``."""
+    import torch
+
+    found: list[Any] = []
+    todo = [(batch, 0)]
+    while todo and len(found) < limit:
+        item, depth = todo.pop(0)
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif depth < 3 and isinstance(item, (list, tuple)):
+            todo.extend((x, depth + 1) for x in item)
+        elif depth < 3 and isinstance(item, Mapping):
+            todo.extend((x, depth + 1) for x in item.values())
+    return found
+
+
+def _batch_size(tensors: list[Any]) -> int:
+    """Samples in a batch: the first dimension of its first tensor (0 when it has none)."""
+    for tensor in tensors:
+        if tensor.dim() >= 1:
+            return int(tensor.shape[0])
+    return 0
+
+
+def _describe_loader(loader: Any, index: int) -> LoaderInfo:
+    from torch.utils.data import IterableDataset
+
+    dataset = loader.dataset
+    try:
+        length: int | None = len(loader)
+    except TypeError:
+        length = None
+    workers = int(loader.num_workers)
+    return LoaderInfo(
+        index=index,
+        dataset=type(dataset).__name__,
+        batch_size=loader.batch_size,
+        num_workers=workers,
+        pin_memory=bool(loader.pin_memory),
+        persistent_workers=bool(loader.persistent_workers),
+        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+        drop_last=bool(loader.drop_last),
+        iterable=isinstance(dataset, IterableDataset),
+        length=length,
+    )
