@@ -222,7 +222,8 @@ def _ms(seconds: float) -> float:
     return seconds * 1e3
 
 
-def _phase_order(names: list[str]) -> list[str]:
+def phase_order(names: list[str]) -> list[str]:
+    """Phase names in step order: canonical phases, then custom ones as first seen, then ``other``."""
     canonical = [p for p in PHASES if p in names and p != OTHER_PHASE]
     custom = [p for p in names if p not in PHASES and p != TOTAL]
     return [*canonical, *custom, *([OTHER_PHASE] if OTHER_PHASE in names else [])]
@@ -240,7 +241,7 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
         )
         return summary
     total_s = step.total
-    for name in _phase_order(list(recorder.phases)):
+    for name in phase_order(list(recorder.phases)):
         track = recorder.phases[name]
         stats = PhaseStats(
             mean_ms=_ms(track.host.mean),

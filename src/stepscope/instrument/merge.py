@@ -5,9 +5,7 @@ simply missing, and the merged summary says so.
 
 Merged figures: each phase statistic is the mean over ranks of that rank's statistic (p95 is the largest rank's
 p95); cluster samples/s is the sum over ranks; steps/s is the slowest rank's. ``cluster.phases`` gives each
-phase's per-rank mean as min/mean/max. The straggler is found in the phase whose per-rank means spread most:
-the rank with the largest mean there, by how much it exceeds the median rank. A spread under ``STRAGGLER_MIN``
-of the step (or under 0.1 ms) is noise, and no straggler is named.
+phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds the others up.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from stepscope.record import TOTAL
+from stepscope.record import TOTAL, phase_order
 from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
 
 STRAGGLER_MIN = 0.05
@@ -47,24 +45,28 @@ def _merge_phase(stats: list[PhaseStats]) -> PhaseStats:
 
 
 def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
-    """The rank that is slow and the phase that makes it slow, or None when the ranks are even."""
+    """The rank that holds the others up and the phase where it does, or None when the ranks are even.
+
+    In synchronous training every rank waits for the slowest at the next collective (DDP's all-reduce inside
+    backward, an explicit all_reduce), so the fast ranks show the same excess later in the step, as waiting.
+    The cause is therefore the earliest phase, in step order, where the ranks differ by more than
+    ``STRAGGLER_MIN`` of the step (and 0.1 ms); the straggler is the slowest rank in that phase.
+    """
     measured = [r for r in ranks if TOTAL in r.phases]
     if len(measured) < 2:
         return None
     step_ms = statistics.fmean(r.phases[TOTAL].mean_ms for r in measured)
-    names = {name for r in measured for name in r.phases if name != TOTAL}
-    best: tuple[float, str] | None = None
-    for name in sorted(names):
+    names: list[str] = []
+    for r in measured:
+        names += [n for n in r.phases if n not in names and n != TOTAL and not r.phases[n].nested]
+    for name in phase_order(names):
         values = [r.phases[name].mean_ms if name in r.phases else 0.0 for r in measured]
-        spread = max(values) - min(values)
-        if best is None or spread > best[0]:
-            best = (spread, name)
-    if best is None or best[0] < max(STRAGGLER_MIN * step_ms, 0.1):
-        return None
-    phase = best[1]
-    values = [r.phases[phase].mean_ms if phase in r.phases else 0.0 for r in measured]
-    slowest = max(range(len(measured)), key=lambda i: values[i])
-    return Straggler(rank=_rank(measured[slowest]), phase=phase, excess_ms=values[slowest] - statistics.median(values))
+        if max(values) - min(values) >= max(STRAGGLER_MIN * step_ms, 0.1):
+            slowest = max(range(len(measured)), key=lambda i: values[i])
+            return Straggler(
+                rank=_rank(measured[slowest]), phase=name, excess_ms=values[slowest] - statistics.median(values)
+            )
+    return None
 
 
 def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSummary:

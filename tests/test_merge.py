@@ -1,0 +1,84 @@
+"""Merging per-rank summaries: cluster figures, the straggler, dead ranks, exits."""
+
+import pytest
+
+from stepscope.instrument.merge import find_straggler, merge
+from stepscope.summary import Exit, Meta, PhaseStats, RunSummary, Steps, Throughput
+
+
+def rank(r: int, phases_ms: dict[str, float], samples_per_s: float = 100.0, world: int = 2, exit_reason="stopped"):
+    step_ms = sum(phases_ms.values())
+    phases = {n: PhaseStats(ms, ms, ms * 1.5, ms / step_ms, 20) for n, ms in phases_ms.items()}
+    phases["total"] = PhaseStats(step_ms, step_ms, step_ms * 1.2, 1.0, 20)
+    return RunSummary(
+        steps=Steps(warmup=3, measured=20, boundary="optimizer.step"),
+        phases=phases,
+        throughput=Throughput(steps_per_s=1e3 / step_ms, samples_per_s=samples_per_s, step_time_ms=step_ms),
+        meta=Meta(rank=r, world_size=world, command="train.py"),
+        exit=Exit(reason=exit_reason, code=0),
+    )
+
+
+def test_slow_loader_on_one_rank_is_the_straggler_not_the_rank_waiting_in_backward():
+    # Rank 1 fetches slowly; rank 0 waits for it in DDP's all-reduce inside backward: equal step times.
+    ranks = [
+        rank(0, {"data_wait": 5.0, "forward": 0.3, "backward": 18.2, "other": 0.3}),
+        rank(1, {"data_wait": 21.6, "forward": 0.4, "backward": 1.4, "other": 0.4}),
+    ]
+    straggler = find_straggler(ranks)
+    assert (straggler.rank, straggler.phase) == (1, "data_wait")
+    assert straggler.excess_ms == pytest.approx(21.6 - (5.0 + 21.6) / 2)
+
+
+def test_even_ranks_have_no_straggler():
+    ranks = [rank(r, {"data_wait": 5.0 + 0.01 * r, "forward": 10.0, "backward": 20.0}) for r in range(4)]
+    assert find_straggler(ranks) is None
+
+
+def test_merge_cluster_figures():
+    ranks = [
+        rank(1, {"data_wait": 10.0, "forward": 30.0}, samples_per_s=90.0),
+        rank(0, {"data_wait": 12.0, "forward": 28.0}, samples_per_s=110.0),
+    ]
+    merged = merge(ranks)
+    assert [r.meta.rank for r in merged.ranks] == [0, 1]
+    assert merged.cluster.world_size == 2
+    assert merged.cluster.ranks_reported == [0, 1]
+    assert merged.cluster.samples_per_s == pytest.approx(200.0)
+    assert merged.throughput.samples_per_s == pytest.approx(200.0)
+    assert merged.cluster.phases["data_wait"] == {"min_ms": 10.0, "mean_ms": 11.0, "max_ms": 12.0}
+    assert merged.phases["data_wait"].mean_ms == pytest.approx(11.0)
+    assert merged.phases["data_wait"].p95_ms == pytest.approx(18.0)  # the largest rank's p95
+    assert merged.meta.rank is None
+    assert merged.meta.world_size == 2
+    assert merged.steps.measured == 20
+
+
+def test_a_rank_that_wrote_nothing_is_named_and_the_rest_is_merged():
+    merged = merge([rank(0, {"forward": 10.0}, world=3), rank(2, {"forward": 10.0}, world=3)])
+    assert merged.cluster.ranks_reported == [0, 2]
+    assert any("rank(s) 1 wrote no summary" in note for note in merged.notes)
+
+
+def test_the_worst_exit_wins_and_notes_name_their_rank():
+    a = rank(0, {"forward": 10.0}, exit_reason="stopped")
+    b = rank(1, {"forward": 10.0}, exit_reason="error")
+    b.notes.append("something odd")
+    merged = merge([a, b])
+    assert merged.exit.reason == "error"
+    assert "rank 1: something odd" in merged.notes
+
+
+def test_a_single_process_summary_is_returned_as_is():
+    only = rank(0, {"forward": 10.0}, world=1)
+    only.meta.world_size = None
+    assert merge([only]) is only
+
+
+def test_merged_summary_round_trips_through_json(tmp_path):
+    merged = merge([rank(0, {"data_wait": 5.0, "backward": 18.0}), rank(1, {"data_wait": 21.0, "backward": 2.0})])
+    path = tmp_path / "merged.json"
+    merged.to_json(path)
+    loaded = RunSummary.from_json(path)
+    assert loaded == merged
+    assert loaded.cluster.straggler.rank == 1
