@@ -19,6 +19,7 @@ PHASES = ("data_wait", "h2d", "forward", "backward", "clip", "optimizer", "zero_
 """Canonical phase names in step order; ``total`` is the whole step."""
 
 DATA_PHASE = "data_wait"
+NO_STEP_MARK = "no step was closed"
 OTHER_PHASE = "other"
 TOTAL = "total"
 
@@ -235,10 +236,16 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
     summary = RunSummary(steps=Steps(warmup=min(recorder.warmup, recorder.steps_seen), measured=recorder.measured))
     step = recorder.step_stats
     if step.count == 0:
-        summary.notes.append(
-            f"no measured steps: warm-up was {recorder.warmup} steps and {recorder.steps_seen} step(s) ran; "
-            "run more steps or lower the warm-up."
-        )
+        if recorder.steps_seen == 0:
+            summary.notes.append(
+                f"no measured steps: warm-up was {recorder.warmup} steps, and {NO_STEP_MARK}: "
+                "scope.step() was never called."
+            )
+        else:
+            summary.notes.append(
+                f"no measured steps: warm-up was {recorder.warmup} steps and only {recorder.steps_seen} step(s) "
+                "ran; run more steps or lower the warm-up."
+            )
         return summary
     total_s = step.total
     for name in phase_order(list(recorder.phases)):

@@ -146,7 +146,7 @@ class Straggler:
 
     rank: int
     phase: str
-    excess_ms: float  # that rank's mean phase time above the median rank's
+    excess_ms: float  # that rank's mean time in the phase above the median of the other ranks
 
 
 @dataclass

@@ -46,7 +46,7 @@ def group_shares(summary: RunSummary) -> dict[str, float]:
         return shares
     compute = sum(_device_share(phases, p) for p in GROUPS["compute"])
     optimizer = sum(_device_share(phases, p) for p in GROUPS["optimizer"])
-    gpu_busy = sum(_device_share(phases, name) for name in phases if name != TOTAL)
+    gpu_busy = sum(_device_share(phases, name) for name in phases if name != TOTAL and name not in GROUPS["data"])
     return {"data": data, "compute": compute, "optimizer": optimizer, "host": max(0.0, 1.0 - gpu_busy - data)}
 
 

@@ -166,7 +166,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # sync: host-device synchronisations, and .item()/.tolist() counts ------------------------------------------
     def make_scalar(original: Any) -> Any:
         def scalar(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if compiling() or not tracker.active or tracker.in_fetch:
+            if compiling() or not tracker.active or tracker.in_fetch or tracker.in_library:
                 return original(self, *args, **kwargs)
             tracker.count("item_calls")
             if self.is_cpu:

@@ -75,13 +75,15 @@ def _child_env(config: RunConfig) -> dict[str, str]:
 
 
 def _wait(process: subprocess.Popen[bytes]) -> int:
-    """Wait for the command. Ctrl-C reaches it from the terminal, so this process ignores its own copy (and
-    lives to report); a SIGTERM sent to stepscope is passed on to the command."""
+    """Wait for the command, and live to report. A SIGTERM sent to stepscope is passed on to the command. At a
+    terminal, Ctrl-C reaches the command directly (same process group), so stepscope ignores its own copy;
+    without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too."""
 
     def forward(signum: int, frame: object) -> None:
         process.send_signal(signum)
 
-    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN if interactive else forward)
     previous_term = signal.signal(signal.SIGTERM, forward)
     try:
         code = process.wait()
@@ -127,12 +129,15 @@ def run(target: Target, config: RunConfig) -> tuple[int, RunSummary]:
         summary.meta.command = " ".join(target.argv)
     summary.notes += notes
     exit_info = summary.exit or Exit()
+    if exit_info.reason == "finished" and code != 0:
+        exit_info = Exit(reason="error", error=exit_info.error or f"the command exited with code {code}")
     summary.exit = dataclasses.replace(exit_info, code=code)
     if summary.ranks:
         summary.verdict = classify(summary)
         if summary.cluster and summary.cluster.straggler:
             s = summary.cluster.straggler
             summary.verdict.evidence.append(
-                f"rank {s.rank} is the straggler: its {s.phase} is {s.excess_ms:.1f} ms above the median rank's"
+                f"rank {s.rank} is the straggler: its {s.phase} is {s.excess_ms:.1f} ms above "
+                "the median of the other ranks"
             )
     return code, summary

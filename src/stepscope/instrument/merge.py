@@ -50,7 +50,8 @@ def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
     In synchronous training every rank waits for the slowest at the next collective (DDP's all-reduce inside
     backward, an explicit all_reduce), so the fast ranks show the same excess later in the step, as waiting.
     The cause is therefore the earliest phase, in step order, where the ranks differ by more than
-    ``STRAGGLER_MIN`` of the step (and 0.1 ms); the straggler is the slowest rank in that phase.
+    ``STRAGGLER_MIN`` of the step (and 0.1 ms); the straggler is the slowest rank in that phase, and its excess is
+    measured against the median of the other ranks.
     """
     measured = [r for r in ranks if TOTAL in r.phases]
     if len(measured) < 2:
@@ -63,8 +64,9 @@ def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
         values = [r.phases[name].mean_ms if name in r.phases else 0.0 for r in measured]
         if max(values) - min(values) >= max(STRAGGLER_MIN * step_ms, 0.1):
             slowest = max(range(len(measured)), key=lambda i: values[i])
+            others = values[:slowest] + values[slowest + 1 :]
             return Straggler(
-                rank=_rank(measured[slowest]), phase=name, excess_ms=values[slowest] - statistics.median(values)
+                rank=_rank(measured[slowest]), phase=name, excess_ms=values[slowest] - statistics.median(others)
             )
     return None
 

@@ -20,9 +20,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepscope.record import NO_STEP_MARK
 from stepscope.scope import Scope
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
 
+HOST_PHASES = frozenset({"data_wait"})
+LIBRARY_PHASES = frozenset(
+    {"optimizer", "clip", "zero_grad"}
+)  # torch's own code: its .item() calls are not the script's
 COUNTERS = ("batches", "forward_calls", "backward_calls", "optimizer_steps", "item_calls", "host_syncs")
 
 
@@ -137,7 +142,8 @@ class Tracker:
 
     def _open_segment(self, now: int) -> None:
         self._segment_start = now
-        self._segment_event = self.scope._device.start()
+        # Waiting for data launches no GPU work: events around it would only measure an idle GPU.
+        self._segment_event = None if self._stack[-1] in HOST_PHASES else self.scope._device.start()
 
     def _close_segment(self, now: int) -> None:
         top = self._stack[-1]
@@ -149,6 +155,11 @@ class Tracker:
     @_guarded
     def count(self, counter: str) -> None:
         self._step_counts[counter] += 1
+
+    @property
+    def in_library(self) -> bool:
+        """Inside torch's own optimizer/clipping code, whose scalar reads are not the script's."""
+        return bool(self._stack) and self._stack[-1] in LIBRARY_PHASES
 
     # -- events from the hooks ---------------------------------------------------------------------------------
 
@@ -324,6 +335,8 @@ class Tracker:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
         if self.scope._recorder.steps_seen == 0:
             seen = {c: self.seen[c] + self._step_counts[c] for c in COUNTERS}
+            # Replaces the Scope's note, whose advice is about calling scope.step().
+            summary.notes = [n for n in summary.notes if NO_STEP_MARK not in n]
             summary.notes.append(
                 f"no training step was seen: the script fetched {seen['batches']} batch(es) and ran "
                 f"{seen['forward_calls']} forward pass(es), but never called backward() or optimizer.step(); "

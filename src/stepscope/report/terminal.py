@@ -133,9 +133,8 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
         console.print(rank_table(summary, ascii_only=_plain(console)))
         if cluster and cluster.straggler:
             s = cluster.straggler
-            console.print(
-                f"straggler: rank {s.rank}, {s.phase} +{s.excess_ms:.1f} ms over the median rank", markup=False
-            )
+            line = f"straggler: rank {s.rank}, {s.phase} +{s.excess_ms:.1f} ms over the median of the other ranks"
+            console.print(line, markup=False)
     line = exit_line(summary)
     if line:
         console.print(line, markup=False)

@@ -1,0 +1,1 @@
+"""A package holding a training module, run as ``stepscope run -m pkg.train``."""

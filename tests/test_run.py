@@ -1,0 +1,525 @@
+"""End to end: ``stepscope run`` measures unmodified training scripts (tests/scripts/) in a child process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from run_helpers import (
+    SCRIPTS,
+    check_consistent,
+    free_port,
+    line_starting,
+    run_env,
+    script,
+    stepscope_cmd,
+    stepscope_run,
+)
+
+from stepscope.summary import RunSummary
+
+
+def counter(summary: RunSummary, name: str) -> float:
+    assert name in summary.counters, f"counter {name!r} missing: {summary.counters}"
+    return summary.counters[name]
+
+
+# -- a plain loop, stopped after --steps -----------------------------------------------------------------------
+
+
+def test_stops_after_warmup_plus_steps(tmp_path):
+    r = stepscope_run(tmp_path, script("basic.py"), "--tag", "hello", warmup=3, steps=12)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.warmup == 3, r.describe()
+    assert s.steps.measured == 12, r.describe()
+    assert s.steps.boundary == "optimizer.step", r.describe()
+    assert s.exit is not None, r.describe()
+    assert s.exit.reason == "stopped", r.describe()
+    assert s.exit.code in (0, None), r.describe()
+    # The script never reached its own end.
+    assert "basic: done" not in r.stdout, r.describe()
+
+
+def test_script_runs_as_main_with_its_argv_and_output_untouched(tmp_path):
+    r = stepscope_run(tmp_path, script("basic.py"), "--tag", "hello world", warmup=2, steps=5)
+    assert r.returncode == 0, r.describe()
+    assert "basic: __name__=__main__ argv0=" in r.stdout, r.describe()
+    first = next(line for line in r.stdout.splitlines() if line.startswith("basic: __name__="))
+    assert first.split("argv0=")[1].split(" tag=")[0].endswith("basic.py"), r.describe()
+    assert first.endswith("tag=hello world"), r.describe()
+    assert "basic: a line on stderr\n" in r.stderr, r.describe()
+    assert "basic: a line on stderr" not in r.stdout, r.describe()
+
+
+def test_every_phase_of_a_plain_loop_is_timed(tmp_path):
+    r = stepscope_run(tmp_path, script("basic.py"), warmup=3, steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    for phase in ("data_wait", "forward", "backward", "clip", "optimizer", "zero_grad", "total"):
+        assert phase in s.phases, f"{phase} missing\n{r.describe()}"
+        assert s.phases[phase].steps == 15, f"{phase}: {s.phases[phase]}\n{r.describe()}"
+    # Only phases that ran: this loop never reads a value back, and on CPU there is no device sync anyway.
+    assert "sync" not in s.phases, r.describe()
+    assert counter(s, "forward_calls") == pytest.approx(1)
+    assert counter(s, "backward_calls") == pytest.approx(1)
+    assert counter(s, "optimizer_steps") == pytest.approx(1)
+    assert counter(s, "batches") == pytest.approx(1)
+    assert counter(s, "item_calls") == pytest.approx(0)
+    assert counter(s, "host_syncs") == pytest.approx(0)
+    # samples/s from the loader's batch (8).
+    assert s.throughput.samples_per_s == pytest.approx(8 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+    assert s.throughput.steps_per_s == pytest.approx(1 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+    loader = s.loaders[0]
+    assert (loader.batch_size, loader.num_workers, loader.pin_memory, loader.persistent_workers) == (8, 0, False, False)
+    assert loader.drop_last is True
+    assert loader.iterable is False
+    assert loader.length == 32
+    assert loader.batches >= 18  # warm-up + measured steps, one batch each
+    assert loader.samples == 8 * loader.batches
+    assert s.meta.rank in (None, 0)
+
+
+def test_terminal_report(tmp_path):
+    r = stepscope_run(tmp_path, script("basic.py"), "--clip", "value", warmup=2, steps=6)
+    assert r.returncode == 0, r.describe()
+    assert "clip" in r.summary.phases, r.describe()  # clip_grad_value_
+    assert line_starting(r.stdout, "data_wait") is not None, r.describe()
+    assert line_starting(r.stdout, "forward") is not None, r.describe()
+    assert line_starting(r.stdout, "total") is not None, r.describe()
+    assert re.search(r"^\s*bound:", r.stdout, re.MULTILINE), r.describe()
+    assert "Traceback" not in r.stderr, r.describe()
+
+
+def test_no_stop_runs_the_script_to_its_end(tmp_path):
+    r = stepscope_run(tmp_path, "--no-stop", script("basic.py"), "--iters", "12", warmup=3, steps=5)
+    assert r.returncode == 0, r.describe()
+    assert "basic: done after 12 steps" in r.stdout, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.exit.reason == "finished", r.describe()
+    assert s.steps.warmup == 3
+    # 12 optimizer steps ran: 3 of warm-up, then at least the 5 asked for, at most all 9 that followed.
+    assert 5 <= s.steps.measured <= 9, r.describe()
+
+
+def test_script_that_ends_before_the_step_budget_finishes(tmp_path):
+    r = stepscope_run(tmp_path, script("basic.py"), "--iters", "12", warmup=3, steps=200)
+    assert r.returncode == 0, r.describe()
+    assert "basic: done after 12 steps" in r.stdout, r.describe()
+    s = r.summary
+    assert s.exit.reason == "finished", r.describe()
+    assert s.steps.measured == 9, r.describe()
+
+
+def test_script_exit_code_propagates(tmp_path):
+    r = stepscope_run(tmp_path, script("basic.py"), "--iters", "6", "--exit-code", "3", warmup=2, steps=50)
+    assert r.returncode == 3, r.describe()
+    assert "basic: done after 6 steps" in r.stdout, r.describe()
+    s = r.summary
+    assert s.exit.code == 3, r.describe()
+    assert s.steps.measured == 4, r.describe()
+    assert "Traceback" not in r.stderr, r.describe()
+
+
+def test_any_command_after_double_dash(tmp_path):
+    r = stepscope_run(tmp_path, "--", sys.executable, script("basic.py"), "--tag", "dashed", warmup=3, steps=8)
+    assert r.returncode == 0, r.describe()
+    assert "tag=dashed" in r.stdout, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.measured == 8, r.describe()
+    assert s.exit.reason == "stopped", r.describe()
+    assert not s.ranks
+    assert s.cluster is None
+    assert s.loaders[0].batch_size == 8
+
+
+# -- where the time goes -----------------------------------------------------------------------------------------
+
+
+def test_slow_loader_is_data_bound(tmp_path):
+    r = stepscope_run(tmp_path, script("slow_loader.py"), "--sample-ms", "3", warmup=3, steps=20)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.verdict.bound == "data", f"{s.verdict}\n{r.describe()}"
+    assert s.verdict.evidence, r.describe()
+    assert any("data_wait" in e and re.search(r"\d+%", e) for e in s.verdict.evidence), s.verdict.evidence
+    data = s.phases["data_wait"]
+    # 8 samples x 3 ms of sleep per batch; sleeping never undershoots.
+    assert 24 * 0.98 <= data.mean_ms <= 24 * 1.4, f"data_wait {data}\n{r.describe()}"
+    assert data.share > 0.7, f"data_wait {data}\n{r.describe()}"
+    total_ms = s.phases["total"].mean_ms
+    assert s.throughput.samples_per_s == pytest.approx(8 / (total_ms / 1e3), rel=0.02), s.throughput
+    assert s.loaders[0].num_workers == 0
+
+
+def test_workers_cut_data_wait(tmp_path):
+    serial = stepscope_run(tmp_path / "w0", script("slow_loader.py"), "--sample-ms", "3", warmup=3, steps=20)
+    workers = stepscope_run(
+        tmp_path / "w2",
+        script("slow_loader.py"),
+        *("--sample-ms", "3", "--num-workers", "2", "--persistent-workers"),
+        warmup=5,
+        steps=20,
+    )
+    assert serial.returncode == 0, serial.describe()
+    assert workers.returncode == 0, workers.describe()
+    s0, s2 = serial.summary, workers.summary
+    check_consistent(s2, workers)
+    assert s2.loaders[0].num_workers == 2, workers.describe()
+    assert s2.loaders[0].persistent_workers is True
+    assert s2.loaders[0].prefetch_factor == 2
+    assert s2.loaders[0].batch_size == 8
+    # Two workers fill batches in parallel: steady-state data_wait is about half the serial one.
+    assert s2.phases["data_wait"].mean_ms < 0.75 * s0.phases["data_wait"].mean_ms, (
+        f"serial {s0.phases['data_wait']}\nworkers {s2.phases['data_wait']}\n{workers.describe()}"
+    )
+    assert s2.throughput.samples_per_s > 1.2 * s0.throughput.samples_per_s
+
+
+def test_epochs_are_listed(tmp_path):
+    # 40 samples / batch 8 = 5 batches per epoch; 3 + 13 = 16 steps = 3 whole epochs and 1 batch of a fourth.
+    r = stepscope_run(
+        tmp_path, script("slow_loader.py"), "--sample-ms", "0.2", "--num-samples", "40", warmup=3, steps=13
+    )
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    epochs = s.epochs
+    assert len(epochs) == 4, f"{epochs}\n{r.describe()}"
+    assert [e.index for e in epochs] == [0, 1, 2, 3]
+    assert all(e.loader == 0 for e in epochs)
+    for e in epochs[:3]:
+        assert e.complete, e
+        assert (e.batches, e.samples) == (5, 40), e
+        assert e.time_s > 0.2 * 40 / 1e3, e
+    assert not epochs[3].complete, epochs[3]
+    assert epochs[3].batches == 1, epochs[3]
+    assert all(e.start_stall_ms is None or e.start_stall_ms >= 0 for e in epochs)
+    loader = s.loaders[0]
+    assert loader.length == 5
+    assert loader.batches == 16
+    assert loader.samples == 128
+
+
+def test_expensive_optimizer_is_optimizer_bound(tmp_path):
+    r = stepscope_run(tmp_path, "--batch-size", "16", script("optimizer_heavy.py"), "--opt-ms", "20", steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.boundary == "optimizer.step"
+    assert s.steps.measured == 15
+    assert s.verdict.bound == "optimizer", f"{s.verdict}\n{r.describe()}"
+    opt = s.phases["optimizer"]
+    assert opt.mean_ms >= 20, opt
+    assert opt.share > 0.7, opt
+    # No DataLoader: samples/s comes from --batch-size.
+    assert not s.loaders
+    assert "data_wait" not in s.phases
+    assert s.throughput.samples_per_s == pytest.approx(16 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+
+
+def test_gradient_accumulation(tmp_path):
+    r = stepscope_run(tmp_path, script("grad_accum.py"), "--accum", "4", "--batch-size", "8", warmup=3, steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.boundary == "optimizer.step"
+    assert s.steps.measured == 15
+    assert counter(s, "forward_calls") == pytest.approx(4, abs=0.01), s.counters
+    assert counter(s, "backward_calls") == pytest.approx(4, abs=0.01), s.counters
+    assert counter(s, "optimizer_steps") == pytest.approx(1, abs=0.01), s.counters
+    assert counter(s, "batches") == pytest.approx(4, abs=0.01), s.counters
+    # Every step consumes 4 batches of 8.
+    assert s.throughput.samples_per_s == pytest.approx(32 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+    assert s.phases["data_wait"].steps == 15
+
+
+def test_autocast_bf16(tmp_path):
+    r = stepscope_run(tmp_path, script("amp_bf16.py"), warmup=3, steps=10)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.measured == 10
+    for phase in ("forward", "backward", "optimizer"):
+        assert phase in s.phases, r.describe()
+        assert s.phases[phase].mean_ms > 0
+    # The loader yields dicts of tensors: the batch size is the first dim of the first tensor (16).
+    assert s.throughput.samples_per_s == pytest.approx(16 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+    assert s.loaders[0].samples == 16 * s.loaders[0].batches
+
+
+@pytest.mark.skipif(
+    not hasattr(torch, "compile") or importlib.util.find_spec("torch._dynamo") is None,
+    reason="torch.compile is unavailable",
+)
+def test_torch_compile(tmp_path):
+    r = stepscope_run(tmp_path, script("compiled.py"), warmup=2, steps=5, timeout=180)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.exit.reason == "stopped"
+    assert s.steps.measured == 5
+    assert "forward" in s.phases, r.describe()
+    assert "backward" in s.phases, r.describe()
+
+
+@pytest.mark.parametrize("form", ["loss.backward", "torch.autograd.backward"])
+def test_manual_updates_step_on_backward(tmp_path, form):
+    flags = ["--autograd-backward"] if form == "torch.autograd.backward" else []
+    r = stepscope_run(tmp_path, "--batch-size", "16", script("manual_sgd.py"), *flags, warmup=3, steps=12)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.boundary == "backward", r.describe()
+    assert s.steps.measured == 12
+    assert s.exit.reason == "stopped"
+    assert counter(s, "backward_calls") == pytest.approx(1)
+    assert counter(s, "forward_calls") == pytest.approx(1)
+    assert "optimizer" not in s.phases
+    assert s.throughput.samples_per_s == pytest.approx(16 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+
+
+def test_lbfgs_closure_time_is_forward_and_backward(tmp_path):
+    r = stepscope_run(tmp_path, script("lbfgs.py"), "--fwd-ms", "3", warmup=2, steps=8)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.boundary == "optimizer.step"
+    assert s.steps.measured == 8
+    fwd_calls = counter(s, "forward_calls")
+    assert fwd_calls >= 1, s.counters
+    assert counter(s, "backward_calls") == pytest.approx(fwd_calls), s.counters
+    assert counter(s, "optimizer_steps") == pytest.approx(1), s.counters
+    forward, optimizer = s.phases["forward"], s.phases["optimizer"]
+    assert "backward" in s.phases
+    # Each closure call sleeps 3 ms in forward: that time is forward's, not the enclosing optimizer.step's.
+    assert forward.mean_ms >= 3 * fwd_calls * 0.98, (forward, s.counters)
+    assert optimizer.mean_ms < forward.mean_ms, (optimizer, forward)
+    assert forward.share + s.phases["backward"].share > 0.5, s.phases
+    assert s.verdict.bound == "compute", f"{s.verdict}\n{r.describe()}"
+
+
+def test_gan_two_optimizers_make_one_step(tmp_path):
+    r = stepscope_run(tmp_path, script("gan.py"), "--batch-size", "16", warmup=3, steps=12)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.boundary == "optimizer.step"
+    assert s.steps.measured == 12
+    assert s.exit.reason == "stopped"
+    assert counter(s, "optimizer_steps") == pytest.approx(2, abs=0.01), s.counters
+    assert counter(s, "backward_calls") == pytest.approx(2, abs=0.01), s.counters
+    assert counter(s, "batches") == pytest.approx(1, abs=0.01), s.counters
+    assert s.throughput.samples_per_s == pytest.approx(16 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
+
+
+def test_item_calls_are_counted(tmp_path):
+    r = stepscope_run(tmp_path, script("item_every_step.py"), warmup=3, steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert counter(s, "item_calls") == pytest.approx(1, abs=0.01), s.counters
+    assert counter(s, "host_syncs") == pytest.approx(0), s.counters
+
+
+def test_tolist_counts_as_a_read_back(tmp_path):
+    r = stepscope_run(tmp_path, script("item_every_step.py"), "--tolist", warmup=3, steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert counter(s, "item_calls") == pytest.approx(2, abs=0.01), s.counters
+
+
+def test_item_inside_the_dataset_is_not_counted(tmp_path):
+    # __getitem__ calls .item() 8 times per batch: that is data loading, not a read-back in the step.
+    r = stepscope_run(tmp_path, script("item_every_step.py"), "--item-in-dataset", warmup=3, steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert counter(s, "item_calls") == pytest.approx(1, abs=0.01), s.counters
+
+
+def test_module_mode(tmp_path):
+    r = stepscope_run(tmp_path, "-m", "pkg.train", "--tag", "viamodule", cwd=SCRIPTS, warmup=3, steps=10)
+    assert r.returncode == 0, r.describe()
+    assert "pkg.train: __name__=__main__ __package__=pkg tag=viamodule argv=['--tag', 'viamodule']" in r.stdout, (
+        r.describe()
+    )
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.measured == 10
+    assert s.exit.reason == "stopped"
+    assert s.loaders[0].batch_size == 8
+
+
+def test_module_mode_from_pythonpath(tmp_path):
+    # pkg comes from tests/scripts on PYTHONPATH; the working directory is tmp_path.
+    r = stepscope_run(tmp_path, "-m", "pkg.train", warmup=2, steps=4, pythonpath=(str(SCRIPTS),))
+    assert r.returncode == 0, r.describe()
+    assert r.summary.steps.measured == 4
+
+
+# -- failures ----------------------------------------------------------------------------------------------------
+
+
+def test_missing_script(tmp_path):
+    missing = tmp_path / "no_such_script.py"
+    r = stepscope_run(tmp_path, str(missing))
+    assert r.returncode == 2, r.describe()
+    assert "stepscope:" in r.stderr, r.describe()
+    assert str(missing) in r.stderr or "no_such_script.py" in r.stderr, r.describe()
+    assert "Traceback" not in r.stderr, r.describe()
+
+
+def test_missing_module(tmp_path):
+    r = stepscope_run(tmp_path, "-m", "no_such_pkg_xyz.train")
+    assert r.returncode != 0, r.describe()
+    assert "no_such_pkg_xyz" in r.stderr, r.describe()
+
+
+def test_script_that_raises(tmp_path):
+    r = stepscope_run(tmp_path, script("raises.py"), "--fail-at", "7", warmup=2, steps=20)
+    assert r.returncode == 1, r.describe()
+    assert "Traceback" in r.stderr, r.describe()
+    assert "RuntimeError: boom at step 7" in r.stderr, r.describe()
+    assert "raises.py" in r.stderr, r.describe()
+    s = r.summary
+    assert s.exit.reason == "error", r.describe()
+    assert "RuntimeError" in (s.exit.error or ""), s.exit
+    assert s.exit.code == 1, s.exit
+    # Steps 3..7 closed before the error; the warm-up took 1 and 2.
+    assert s.steps.warmup == 2
+    assert s.steps.measured == 5, r.describe()
+    check_consistent(s, r)
+
+
+def test_script_that_never_steps(tmp_path):
+    r = stepscope_run(tmp_path, script("no_step.py"), "--batches", "10", "--epochs", "2", warmup=3, steps=20)
+    assert r.returncode == 0, r.describe()
+    assert "no_step: 20 batches" in r.stdout, r.describe()
+    s = r.summary
+    assert s.steps.measured == 0, r.describe()
+    assert s.exit.reason == "finished", r.describe()
+    notes = " ".join(s.notes).lower()
+    assert "no training step" in notes or "never" in notes, s.notes
+    # The note names what was seen: the batches fetched and/or the forward passes.
+    assert any(("batch" in n.lower() or "forward" in n.lower()) and re.search(r"\b20\b", n) for n in s.notes), s.notes
+    # The warm-up was not the problem: no advice to lower it or to run more steps.
+    assert not any("lower the warm-up" in n or "run more steps" in n for n in s.notes), s.notes
+    assert s.loaders and s.loaders[0].batches == 20, s.loaders
+    assert s.epochs and len(s.epochs) == 2 and all(e.complete for e in s.epochs), s.epochs
+
+
+def _wait_for_ready(proc: subprocess.Popen, timeout: float) -> tuple[str | None, list[str]]:
+    """Read proc.stdout in a thread until a READY line; return it and all lines read so far."""
+    lines: list[str] = []
+    ready: list[str] = []
+    found = threading.Event()
+
+    def reader() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("READY") and not found.is_set():
+                ready.append(line.strip())
+                found.set()
+        found.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    found.wait(timeout)
+    return (ready[0] if ready else None), lines
+
+
+@pytest.mark.parametrize("target", ["stepscope", "child"])
+def test_sigterm_still_writes_the_summary(tmp_path, target):
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, lines = _wait_for_ready(proc, timeout=60)
+        assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
+        time.sleep(0.3)  # a few more steps
+        pid = proc.pid if target == "stepscope" else int(ready.split()[1])
+        os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    assert json_path.exists(), f"no summary after SIGTERM to {target}; exit code {proc.returncode}\n{stderr}"
+    s = RunSummary.from_json(json_path)
+    assert s.exit.reason in ("terminated", "interrupted"), (s.exit, stderr)
+    assert s.steps.measured >= 3, s.steps
+    check_consistent(s)
+
+
+# -- several ranks -----------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_ranks_with_a_straggler(tmp_path):
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        script("ddp.py"),
+        "--sample-ms",
+        "0.5",
+        "--extra-ms",
+        "1.25",
+    ]
+    r = stepscope_run(tmp_path, "--", *launcher, warmup=3, steps=20, timeout=180)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert len(s.ranks) == 2, r.describe()
+    by_rank = {rank.meta.rank: rank for rank in s.ranks}
+    assert set(by_rank) == {0, 1}, r.describe()
+    for rank in s.ranks:
+        check_consistent(rank, r)
+        assert rank.meta.world_size == 2
+        assert rank.steps.measured == 20, rank.steps
+        assert rank.steps.boundary == "optimizer.step"
+        assert rank.exit is not None and rank.exit.reason == "stopped", rank.exit
+        assert rank.loaders and rank.loaders[0].batch_size == 8
+        assert rank.throughput.samples_per_s is not None
+
+    cluster = s.cluster
+    assert cluster is not None, r.describe()
+    assert cluster.world_size == 2
+    assert sorted(cluster.ranks_reported) == [0, 1]
+    assert cluster.samples_per_s == pytest.approx(sum(rank.throughput.samples_per_s for rank in s.ranks), rel=0.05)
+    data = cluster.phases["data_wait"]
+    assert data["min_ms"] <= data["mean_ms"] <= data["max_ms"], data
+    assert data["max_ms"] == pytest.approx(by_rank[1].phases["data_wait"].mean_ms, rel=0.01), data
+    assert data["min_ms"] == pytest.approx(by_rank[0].phases["data_wait"].mean_ms, rel=0.01), data
+    for name, stats in cluster.phases.items():
+        assert stats["min_ms"] <= stats["mean_ms"] <= stats["max_ms"], (name, stats)
+    # Rank 1 sleeps 8 x 1.25 = 10 ms more per batch than rank 0.
+    assert by_rank[1].phases["data_wait"].mean_ms > by_rank[0].phases["data_wait"].mean_ms + 5
+    straggler = cluster.straggler
+    assert straggler is not None, r.describe()
+    assert straggler.rank == 1, straggler
+    assert straggler.phase == "data_wait", straggler
+    assert straggler.excess_ms > 3, straggler
+    assert re.search(r"^\s*bound:", r.stdout, re.MULTILINE), r.describe()
