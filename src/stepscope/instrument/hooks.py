@@ -69,7 +69,9 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # h2d: copies of the loader's tensors ---------------------------------------------------------------------
     def make_copy(original: Any) -> Any:
         def copy(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if compiling() or id(self) not in tracker.batch_ids or not tracker.active:
+            # Every .to() in the program passes here: the id check comes first (batch_ids is empty when tracking
+            # stops; inside a compile trace the ids are fake tensors', and id() causes no graph break).
+            if id(self) not in tracker.batch_ids or compiling():
                 return original(self, *args, **kwargs)
             tracker.enter("h2d")
             try:
@@ -166,7 +168,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # sync: host-device synchronisations, and .item()/.tolist() counts ------------------------------------------
     def make_scalar(original: Any) -> Any:
         def scalar(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if compiling() or not tracker.active or tracker.in_fetch or tracker.in_library:
+            if not tracker.count_scalars or compiling():
                 return original(self, *args, **kwargs)
             tracker.count("item_calls")
             if self.is_cpu:

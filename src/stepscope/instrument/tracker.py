@@ -25,9 +25,9 @@ from stepscope.scope import Scope
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
 
 HOST_PHASES = frozenset({"data_wait"})
-LIBRARY_PHASES = frozenset(
-    {"optimizer", "clip", "zero_grad"}
-)  # torch's own code: its .item() calls are not the script's
+# Scalar reads (.item(), .tolist()) made here are not the script's own: torch's optimizer and clipping code (Adam
+# reads its step counters) and the data pipeline.
+QUIET_PHASES = frozenset({"optimizer", "clip", "zero_grad", "data_wait"})
 COUNTERS = ("batches", "forward_calls", "backward_calls", "optimizer_steps", "item_calls", "host_syncs")
 
 
@@ -96,11 +96,11 @@ class Tracker:
         self._round: set[int] = set()
         self._closer: int | None = None
         self._backward_pending = False
-        # per step and per run
-        self._step_counts = dict.fromkeys(COUNTERS, 0)
+        # counters: cumulative over the run; snapshots at the last closed step and where measuring began
+        self.seen = dict.fromkeys(COUNTERS, 0)
+        self._seen_closed = dict(self.seen)
+        self._seen_at_measure = dict(self.seen)
         self._step_samples = 0
-        self.totals = dict.fromkeys(COUNTERS, 0)  # over measured steps
-        self.seen = dict.fromkeys(COUNTERS, 0)  # over the whole run
         self.stopped = False
         self.outcome: Exit | None = None  # how the process ended, when known (error, signal)
         self.failure: str | None = None  # stepscope's own error that stopped measuring
@@ -109,14 +109,14 @@ class Tracker:
         self._iterators: weakref.WeakKeyDictionary[Any, _LoaderState] = weakref.WeakKeyDictionary()
         self.in_fetch = False
         self.in_forward = False
+        self.count_scalars = True  # the .item() hook's one check: active, and not inside QUIET_PHASES
         self.batch_ids: frozenset[int] = frozenset()
         self._last_checkpoint_ns = self._clock()
         self.on_checkpoint: Callable[[], None] | None = None
 
     # -- exclusive phase time ----------------------------------------------------------------------------------
 
-    @_guarded
-    def enter(self, name: str) -> None:
+    def _enter(self, name: str) -> None:
         """A phase begins; it owns the clock until it ends or an inner phase begins."""
         now = self._clock()
         if self.scope._step_start_ns is None:
@@ -125,9 +125,9 @@ class Tracker:
             self._close_segment(now)
         self._stack.append(name)
         self._open_segment(now)
+        self.count_scalars = self.active and name not in QUIET_PHASES
 
-    @_guarded
-    def exit(self, name: str) -> None:
+    def _exit(self, name: str) -> None:
         """A phase ends; the phase it interrupted (if any) owns the clock again. Phases opened above it whose end
         was never reported (a hook that did not fire after an exception) end with it."""
         stack = self._stack
@@ -139,6 +139,7 @@ class Tracker:
             pass
         if stack:
             self._open_segment(now)
+        self.count_scalars = self.active and not (stack and stack[-1] in QUIET_PHASES)
 
     def _open_segment(self, now: int) -> None:
         self._segment_start = now
@@ -152,14 +153,14 @@ class Tracker:
             self.scope._device.stop(top, self._segment_event)
             self._segment_event = None
 
-    @_guarded
-    def count(self, counter: str) -> None:
-        self._step_counts[counter] += 1
+    def _count(self, counter: str) -> None:
+        self.seen[counter] += 1
 
-    @property
-    def in_library(self) -> bool:
-        """Inside torch's own optimizer/clipping code, whose scalar reads are not the script's."""
-        return bool(self._stack) and self._stack[-1] in LIBRARY_PHASES
+    # The hooks' entry points: an error inside stops measurement instead of reaching the script. Methods of the
+    # tracker call the unguarded versions, so each hook event pays for one guard.
+    enter = _guarded(_enter)
+    exit = _guarded(_exit)
+    count = _guarded(_count)
 
     # -- events from the hooks ---------------------------------------------------------------------------------
 
@@ -181,12 +182,12 @@ class Tracker:
     def fetch_begin(self) -> int:
         self._close_backward_step()
         self.in_fetch = True
-        self.enter("data_wait")
+        self._enter("data_wait")
         return self._clock()
 
     @_guarded
     def fetch_end(self, iterator: Any, batch: Any, t0: int, exhausted: bool = False) -> None:
-        self.exit("data_wait")
+        self._exit("data_wait")
         self.in_fetch = False
         now = self._clock()
         state = self._iterators.get(iterator)
@@ -196,7 +197,7 @@ class Tracker:
             self.batch_ids = frozenset(id(t) for t in tensors)
             samples = _batch_size(tensors)
             self._step_samples += samples
-            self.count("batches")
+            self._count("batches")
         if state is not None:
             state.info.fetch_s += (now - t0) / 1e9
             if state.epoch_stall_ns is None:
@@ -216,27 +217,27 @@ class Tracker:
             return False
         self._close_backward_step()
         self.in_forward = True
-        self.count("forward_calls")
-        self.enter("forward")
+        self._count("forward_calls")
+        self._enter("forward")
         return True
 
     @_guarded
     def forward_end(self) -> None:
         self.in_forward = False
-        self.exit("forward")
+        self._exit("forward")
 
     @_guarded
     def backward_begin(self) -> bool:
         if self._stack and self._stack[-1] == "backward":
             return False  # Tensor.backward calling torch.autograd.backward
         self._close_backward_step()
-        self.count("backward_calls")
-        self.enter("backward")
+        self._count("backward_calls")
+        self._enter("backward")
         return True
 
     @_guarded
     def backward_end(self) -> None:
-        self.exit("backward")
+        self._exit("backward")
         if self.optimizers_created == 0 and self.boundary != "optimizer.step":
             self.boundary = "backward"
             self._backward_pending = True
@@ -244,8 +245,8 @@ class Tracker:
     @_guarded
     def optimizer_step_end(self, optimizer: Any) -> None:
         """After ``optimizer.step``: close the step when this optimizer ends a round."""
-        self.exit("optimizer")
-        self.count("optimizer_steps")
+        self._exit("optimizer")
+        self._count("optimizer_steps")
         self.boundary = "optimizer.step"
         self._backward_pending = False
         key = id(optimizer)
@@ -264,16 +265,22 @@ class Tracker:
                 f"stepscope: measurement stopped after an internal error ({self.failure}); the script runs on.",
                 file=sys.stderr,
             )
+        self.stop_tracking()
+
+    def stop_tracking(self) -> None:
+        """Hooks pass straight through from now on."""
         self.active = False
+        self.count_scalars = False
+        self.batch_ids = frozenset()
 
     def sync(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a host-device synchronisation as the ``sync`` phase (the op's own errors propagate)."""
-        self.count("host_syncs")
-        self.enter("sync")
+        self._count("host_syncs")
+        self._enter("sync")
         try:
             return op(*args, **kwargs)
         finally:
-            self.exit("sync")
+            self._exit("sync")
 
     # -- steps ---------------------------------------------------------------------------------------------------
 
@@ -288,17 +295,14 @@ class Tracker:
         open_phases = bool(self._stack)
         if open_phases:
             self._close_segment(self._clock())
-        measuring = scope._recorder.measuring
-        for counter, n in self._step_counts.items():
-            self.seen[counter] += n
-            if measuring:
-                self.totals[counter] += n
+        if not scope._recorder.measuring:
+            self._seen_at_measure = dict(self.seen)  # a warm-up step: measured counts start after it
+        self._seen_closed = dict(self.seen)
         samples = self._step_samples or self.config.batch_size
         scope.step(batch_size=samples or None)
-        self._step_counts = dict.fromkeys(COUNTERS, 0)
         self._step_samples = 0
         if scope._failed:
-            self.active = False
+            self.stop_tracking()
             return
         if open_phases:
             self._open_segment(scope._step_start_ns or self._clock())
@@ -307,7 +311,7 @@ class Tracker:
             self.on_checkpoint()
         if self.config.stop and scope._recorder.measured >= self.config.steps:
             self.stopped = True
-            self.active = False
+            self.stop_tracking()
             raise StopRun()
 
     # -- results ------------------------------------------------------------------------------------------------
@@ -315,8 +319,7 @@ class Tracker:
     @property
     def trained(self) -> bool:
         """True once this process did training work (a backward or an optimizer step)."""
-        counts = (self.seen[c] + self._step_counts[c] for c in ("backward_calls", "optimizer_steps"))
-        return any(counts)
+        return bool(self.seen["backward_calls"] or self.seen["optimizer_steps"])
 
     def summary(self, drain: bool = True) -> RunSummary:
         """The run's RunSummary so far; ``drain=False`` never waits on the GPU (for checkpoints)."""
@@ -324,7 +327,7 @@ class Tracker:
         summary.steps.boundary = self.boundary
         measured = summary.steps.measured
         if measured:
-            summary.counters = {c: self.totals[c] / measured for c in COUNTERS}
+            summary.counters = {c: (self._seen_closed[c] - self._seen_at_measure[c]) / measured for c in COUNTERS}
         states = list(self._loaders.values())
         summary.loaders = [s.info for s in states]
         summary.epochs = [e for s in states for e in s.done]
@@ -334,7 +337,7 @@ class Tracker:
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
         if self.scope._recorder.steps_seen == 0:
-            seen = {c: self.seen[c] + self._step_counts[c] for c in COUNTERS}
+            seen = self.seen
             # Replaces the Scope's note, whose advice is about calling scope.step().
             summary.notes = [n for n in summary.notes if NO_STEP_MARK not in n]
             summary.notes.append(
@@ -363,13 +366,13 @@ class Tracker:
 
 def _tensors(batch: Any, limit: int = 64) -> list[Any]:
     """The tensors in a batch (a tensor, or tuples/lists/mappings of them three levels deep), at most ``limit``."""
-    import torch
+    from torch import Tensor
 
     found: list[Any] = []
     todo = [(batch, 0)]
     while todo and len(found) < limit:
         item, depth = todo.pop(0)
-        if isinstance(item, torch.Tensor):
+        if isinstance(item, Tensor):
             found.append(item)
         elif depth < 3 and isinstance(item, (list, tuple)):
             todo.extend((x, depth + 1) for x in item)
