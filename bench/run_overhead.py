@@ -38,14 +38,14 @@ def timed_run(command: list[str]) -> tuple[float, float]:
     return wall, float(loop.split()[1]) / 1e3
 
 
-def command(variant: str, steps: int) -> list[str]:
-    script = [str(WORKLOAD), "--steps", str(steps)]
+def command(variant: str, steps: int, width: int) -> list[str]:
+    script = [str(WORKLOAD), "--steps", str(steps), "--width", str(width)]
     if variant == "stepscope":
         return [sys.executable, "-m", "stepscope.cli", "run", "--no-stop", "--warmup", "0", *script]
     return [sys.executable, *script]
 
 
-def paired(blocks: int, block_steps: int) -> dict[str, dict[str, float]]:
+def paired(blocks: int, block_steps: int, width: int) -> dict[str, dict[str, float]]:
     """Per-step CPU time (ms) of alternating in-process blocks: plain, with stepscope run's hooks, plain again.
 
     Timed with the thread's CPU clock, which leaves out time the VM or other processes take; each block gives
@@ -58,7 +58,7 @@ def paired(blocks: int, block_steps: int) -> dict[str, dict[str, float]]:
     from stepscope.instrument.tracker import RunConfig, Tracker
     from stepscope.scope import enabled_scope
 
-    loader, model, criterion, optimizer = make(steps=blocks * block_steps * 3 + 100)
+    loader, model, criterion, optimizer = make(steps=blocks * block_steps * 3 + 100, width=width)
     batches = iter(loader)
     for _ in range(50):
         step(next(batches), model, criterion, optimizer)
@@ -91,10 +91,11 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=300, help="paired in-process blocks of 10 steps")
     parser.add_argument("--skip-process", action="store_true", help="only the paired in-process figure")
+    parser.add_argument("--width", type=int, default=256, help="model width (256: ~3.5 ms steps, 512: ~10 ms)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
-    blocks = paired(args.blocks, 10)
+    blocks = paired(args.blocks, 10, args.width)
     paired_pct = {
         stat: {v: 100 * (blocks[v][stat] / blocks["plain"][stat] - 1) for v in ("stepscope", "plain_again")}
         for stat in ("median", "p10", "min")
@@ -115,8 +116,8 @@ def main() -> None:
     wall: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
-            short_wall, _ = timed_run(command(variant.removesuffix("_again"), args.short))
-            long_wall, long_loop = timed_run(command(variant.removesuffix("_again"), args.long))
+            short_wall, _ = timed_run(command(variant.removesuffix("_again"), args.short, args.width))
+            long_wall, long_loop = timed_run(command(variant.removesuffix("_again"), args.long, args.width))
             loop[variant].append(long_loop)
             wall[variant].append((long_wall - short_wall) / (args.long - args.short))
 

@@ -16,15 +16,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def make(steps: int, batch_size: int = 64) -> tuple[DataLoader, nn.Module, nn.Module, torch.optim.Optimizer]:
-    """The loader, model, loss and optimizer of the workload."""
+def make(
+    steps: int, batch_size: int = 64, width: int = 256
+) -> tuple[DataLoader, nn.Module, nn.Module, torch.optim.Optimizer]:
+    """The loader, model, loss and optimizer of the workload (``width`` scales the compute per step)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     samples = steps * batch_size
-    data = TensorDataset(torch.randn(samples, 256), torch.randint(0, 10, (samples,)))
+    data = TensorDataset(torch.randn(samples, width), torch.randint(0, 10, (samples,)))
     loader = DataLoader(data, batch_size=batch_size, shuffle=True)
-    blocks = [nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU()) for _ in range(4)]
-    model = nn.Sequential(*blocks, nn.Linear(256, 10))
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()) for _ in range(4)]
+    model = nn.Sequential(*blocks, nn.Linear(width, 10))
     return loader, model, nn.CrossEntropyLoss(), torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -43,8 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
-    loader, model, criterion, optimizer = make(args.steps, args.batch_size)
+    loader, model, criterion, optimizer = make(args.steps, args.batch_size, args.width)
     total, started = 0.0, 0.0
     for i, batch in enumerate(loader):
         if i == 50:

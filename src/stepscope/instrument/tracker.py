@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepscope.clock import HOST_ONLY
 from stepscope.record import NO_STEP_MARK
 from stepscope.scope import Scope
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
@@ -143,8 +144,9 @@ class Tracker:
 
     def _open_segment(self, now: int) -> None:
         self._segment_start = now
+        device = self.scope._device
         # Waiting for data launches no GPU work: events around it would only measure an idle GPU.
-        self._segment_event = None if self._stack[-1] in HOST_PHASES else self.scope._device.start()
+        self._segment_event = None if device is HOST_ONLY or self._stack[-1] in HOST_PHASES else device.start()
 
     def _close_segment(self, now: int) -> None:
         top = self._stack[-1]
