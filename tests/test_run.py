@@ -352,6 +352,18 @@ def test_item_inside_the_dataset_is_not_counted(tmp_path):
     assert counter(s, "item_calls") == pytest.approx(1, abs=0.01), s.counters
 
 
+def test_loader_epoch_starts_are_data_loading_not_the_scripts_reads(tmp_path):
+    # 4 batches per shuffled epoch: iter(loader) draws its seed with .item() at each of ~5 epoch starts. That is
+    # the loader's work (data_wait), not a read-back of the training step.
+    r = stepscope_run(tmp_path, script("item_every_step.py"), "--samples", "32", warmup=3, steps=15)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert counter(s, "item_calls") == pytest.approx(1, abs=0.01), s.counters
+    assert len(s.epochs) >= 5
+    assert all(e.start_stall_ms is not None and e.start_stall_ms > 0 for e in s.epochs if e.batches)
+
+
 def test_module_mode(tmp_path):
     r = stepscope_run(tmp_path, "-m", "pkg.train", "--tag", "viamodule", cwd=SCRIPTS, warmup=3, steps=10)
     assert r.returncode == 0, r.describe()

@@ -127,7 +127,7 @@ class Epoch:
     time_s: float
     batches: int
     samples: int
-    start_stall_ms: float | None  # the first fetch of the epoch: worker start-up and first batches
+    start_stall_ms: float | None  # from iter(loader) to the first batch: worker start-up and first fetch
     complete: bool  # ended by exhausting the loader (not cut short by the end of the run)
 
 

@@ -35,11 +35,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--tolist", action="store_true")
     parser.add_argument("--item-in-dataset", action="store_true")
+    parser.add_argument("--samples", type=int, default=512, help="dataset size (small: many epochs)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    loader = DataLoader(ItemDataset(512, args.item_in_dataset), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(ItemDataset(args.samples, args.item_in_dataset), batch_size=args.batch_size, shuffle=True)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     running = 0.0

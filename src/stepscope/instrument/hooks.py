@@ -38,9 +38,15 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # data_wait, epochs, batch size ------------------------------------------------------------------------------
     def make_iter(original: Any) -> Any:
         def __iter__(self: Any) -> Any:
-            iterator = original(self)
-            if tracker.active:
-                tracker.epoch_begin(self, iterator)
+            # Making the iterator starts the loader's workers: data pipeline time, and the start of the epoch.
+            if not tracker.active:
+                return original(self)
+            t0 = tracker.fetch_begin()
+            try:
+                iterator = original(self)
+            finally:
+                tracker.fetch_end(None, None, t0)
+            tracker.epoch_begin(self, iterator, t0)
             return iterator
 
         return __iter__

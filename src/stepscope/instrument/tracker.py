@@ -167,15 +167,15 @@ class Tracker:
     # -- events from the hooks ---------------------------------------------------------------------------------
 
     @_guarded
-    def epoch_begin(self, loader: Any, iterator: Any) -> None:
-        """``iter(loader)``: a fresh pass over a DataLoader."""
+    def epoch_begin(self, loader: Any, iterator: Any, start_ns: int) -> None:
+        """``iter(loader)``, begun at ``start_ns``: a fresh pass over a DataLoader."""
         state = self._loaders.get(id(loader))
         if state is None:
             state = self._loaders[id(loader)] = _LoaderState(_describe_loader(loader, len(self._loaders)))
         if state.epoch_open:
             self._end_epoch(state, complete=False)
         state.epoch_open = True
-        state.epoch_start_ns = self._clock()
+        state.epoch_start_ns = start_ns
         state.epoch_batches = state.epoch_samples = 0
         state.epoch_stall_ns = None
         self._iterators[iterator] = state
@@ -192,7 +192,7 @@ class Tracker:
         self._exit("data_wait")
         self.in_fetch = False
         now = self._clock()
-        state = self._iterators.get(iterator)
+        state = None if iterator is None else self._iterators.get(iterator)
         samples = 0
         if batch is not None:
             tensors = _tensors(batch)
@@ -203,7 +203,7 @@ class Tracker:
         if state is not None:
             state.info.fetch_s += (now - t0) / 1e9
             if state.epoch_stall_ns is None:
-                state.epoch_stall_ns = now - t0
+                state.epoch_stall_ns = now - state.epoch_start_ns  # from iter(loader) to the first batch
             if batch is not None:
                 state.info.batches += 1
                 state.info.samples += samples
