@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (set up, then profile the bundled example) and `make test` (set up, then test).
+# Two entry points: `make demo` (set up, then profile an unmodified example script) and `make test` (set up, test).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/slow_loader.py --json out/demo-summary.json
+	$(VENV)/bin/stepscope run --warmup 10 --steps 50 --json out/demo-summary.json examples/plain_train.py
 
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q

@@ -62,21 +62,21 @@ def make_enabled() -> Scope:
     return Scope(enabled=True, warmup=0, timing="host")
 
 
-def enabled_per_phase_ns(n: int) -> float:
-    """Like per_phase_ns on an enabled scope, closing a step every 1,000 phases (step cost is measured apart)."""
-    scope = make_enabled()
+def enabled_per_phase_ns(scope: Scope, n: int, step_every: int = 1000) -> float:
+    """Like per_phase_ns on an enabled scope, closing a step every ``step_every`` phases (so state stays bounded;
+    step cost is measured apart)."""
     phase, step = scope.phase, scope.step
     t0 = time.perf_counter_ns()
     for i in range(n):
         with phase("forward"):
             pass
-        if i % 1000 == 999:
+        if i % step_every == step_every - 1:
             step()
     return (time.perf_counter_ns() - t0) / n
 
 
 def step_loop_floor_ns(n: int) -> float:
-    """The same loop shape as enabled_per_phase_ns with the floor object, to compare like with like."""
+    """The loop shape of enabled_per_phase_ns with the floor object, to compare like with like."""
     floor = _Floor()
     phase = floor.phase
     t0 = time.perf_counter_ns()
@@ -144,14 +144,7 @@ def cuda_figures(repeats: int, n_phases: int, steps: int) -> dict[str, float]:
 
     def cuda_phase_ns() -> float:
         scope = Scope(enabled=True, warmup=0, timing="cuda")
-        phase, step = scope.phase, scope.step
-        t0 = time.perf_counter_ns()
-        for i in range(n_phases):
-            with phase("forward"):
-                pass
-            if i % 100 == 99:
-                step()
-        elapsed = (time.perf_counter_ns() - t0) / n_phases
+        elapsed = enabled_per_phase_ns(scope, n_phases, step_every=100)
         scope.summary()
         return elapsed
 
@@ -201,7 +194,7 @@ def main() -> None:
         runs["floor"].append(per_phase_ns(_Floor(), args.phases))
         runs["disabled"].append(per_phase_ns(disabled, args.phases))
         runs["enabled_floor"].append(step_loop_floor_ns(args.phases))
-        runs["enabled"].append(enabled_per_phase_ns(args.phases))
+        runs["enabled"].append(enabled_per_phase_ns(make_enabled(), args.phases))
         step_runs["empty_off"].append(empty_steps_s(disabled, 20_000))
         step_runs["empty_on"].append(empty_steps_s(make_enabled(), 20_000))
 

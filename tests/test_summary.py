@@ -242,3 +242,17 @@ def test_section_of_the_wrong_type(tmp_path):
     with pytest.raises(SummaryError, match="does not match summary schema") as info:
         RunSummary.from_json(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["verdict"].update(bound="slow"), "unknown verdict bound 'slow'"),
+        (lambda d: d["fixes"][0].update(cost="cheap"), "unknown cost 'cheap'"),
+    ],
+)
+def test_values_outside_the_vocabulary_are_refused(tmp_path, edit, message):
+    data = full_summary().to_dict()
+    edit(data)
+    with pytest.raises(SummaryError, match=message):
+        RunSummary.from_dict(data)

@@ -214,7 +214,7 @@ class RunSummary:
         if unknown:
             raise SummaryError(f"{source} has fields that summary schema {SCHEMA_VERSION} does not know: {unknown}.")
         try:
-            return cls(
+            summary = cls(
                 steps=_build(Steps, data.get("steps", {})),
                 phases={name: _build(PhaseStats, p) for name, p in data.get("phases", {}).items()},
                 throughput=_build(Throughput, data.get("throughput", {})),
@@ -233,6 +233,8 @@ class RunSummary:
             )
         except (TypeError, AttributeError) as exc:
             raise SummaryError(f"{source} does not match summary schema {SCHEMA_VERSION}: {exc}.") from exc
+        _check_vocabulary(summary, source)
+        return summary
 
     @classmethod
     def from_json(cls, path: str | Path) -> RunSummary:
@@ -249,6 +251,14 @@ class RunSummary:
         except orjson.JSONDecodeError as exc:
             raise SummaryError(f"{path} is not valid JSON ({exc}).") from exc
         return cls.from_dict(data, source=str(path))
+
+
+def _check_vocabulary(summary: RunSummary, source: str) -> None:
+    if summary.verdict.bound not in BOUNDS:
+        raise SummaryError(f"{source} has an unknown verdict bound {summary.verdict.bound!r} (one of {BOUNDS}).")
+    for fix in summary.fixes:
+        if fix.cost not in COSTS:
+            raise SummaryError(f"{source}: fix {fix.id!r} has an unknown cost {fix.cost!r} (one of {COSTS}).")
 
 
 def _cluster(data: dict[str, Any]) -> Cluster:
