@@ -479,6 +479,35 @@ def test_sigterm_still_writes_the_summary(tmp_path, target):
     check_consistent(s)
 
 
+def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
+    # SIGKILL (the OOM killer) runs no exit handler: only the periodic checkpoint can carry the figures out.
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
+    cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = ["--checkpoint-s", "0.2"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, lines = _wait_for_ready(proc, timeout=60)
+        assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
+        time.sleep(1.0)  # several checkpoints
+        os.kill(int(ready.split()[1]), signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    time.sleep(0.2)  # the reader thread drains the rest of stdout
+    stdout = "".join(lines)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr
+    s = RunSummary.from_json(json_path)
+    assert s.exit.reason == "killed", s.exit
+    assert s.exit.code == 137
+    assert "killed by signal 9" in s.exit.error
+    assert s.steps.measured >= 10, s.steps  # ~5 ms steps for ~1 s, checkpointed every 0.2 s
+    check_consistent(s)
+    assert "the script was killed by signal 9" in stdout
+
+
 # -- several ranks -----------------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
-_RUN_VALUED = {"--warmup", "--steps", "--json", "--batch-size"}
+_RUN_VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s"}
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -52,7 +52,12 @@ def _run(args: argparse.Namespace) -> int:
     else:
         target = script_target(command[0], command[1:])
     config = RunConfig(
-        out_dir="", warmup=args.warmup, steps=args.steps, stop=not args.no_stop, batch_size=args.batch_size
+        out_dir="",
+        warmup=args.warmup,
+        steps=args.steps,
+        stop=not args.no_stop,
+        batch_size=args.batch_size,
+        checkpoint_s=args.checkpoint_s,
     )
     code, summary = run(target, config)
     sys.stdout.flush()
@@ -94,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-stop", action="store_true", help="let the script run to its end")
     run.add_argument("--json", metavar="PATH", help="write the RunSummary here")
     run.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
+    run.add_argument(
+        "--checkpoint-s",
+        type=float,
+        default=30.0,
+        help="each process writes its figures so far this often (s), so a killed process still leaves them",
+    )
     run.set_defaults(func=_run)
     return parser
 

@@ -135,7 +135,9 @@ class Epoch:
 class Exit:
     """How the measured process ended."""
 
-    reason: str = "finished"  # "finished" | "stopped" (after --steps) | "error" | "interrupted" | "terminated"
+    # "finished" | "stopped" (after --steps) | "error" | "interrupted" | "terminated" | "killed" (only a checkpoint
+    # was left) | "running" (a checkpoint written while the process ran)
+    reason: str = "finished"
     code: int | None = None
     error: str | None = None
 

@@ -129,7 +129,11 @@ def run(target: Target, config: RunConfig) -> tuple[int, RunSummary]:
         summary.meta.command = " ".join(target.argv)
     summary.notes += notes
     exit_info = summary.exit or Exit()
-    if exit_info.reason == "finished" and code != 0:
+    if exit_info.reason == "running":
+        # Only a checkpoint survived: the process never reached its exit handlers.
+        how = f"killed by signal {code - 128}" if code > 128 else f"ended with code {code} before writing its summary"
+        exit_info = Exit(reason="killed", error=f"{how}; figures up to its last checkpoint")
+    elif exit_info.reason == "finished" and code != 0:
         exit_info = Exit(reason="error", error=exit_info.error or f"the command exited with code {code}")
     summary.exit = dataclasses.replace(exit_info, code=code)
     if summary.ranks:

@@ -17,7 +17,7 @@ from stepscope.record import TOTAL, phase_order
 from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
 
 STRAGGLER_MIN = 0.05
-EXIT_SEVERITY = ("finished", "stopped", "running", "interrupted", "terminated", "error")
+EXIT_SEVERITY = ("finished", "stopped", "running", "interrupted", "terminated", "killed", "error")
 
 
 def _rank(summary: RunSummary) -> int:

@@ -109,6 +109,8 @@ def exit_line(summary: RunSummary) -> str | None:
         return f"stopped after {summary.steps.measured} measured steps{code}; --no-stop lets the script finish"
     if end.reason == "error":
         return f"the script failed: {end.error}{code}; the figures are from the steps before the failure"
+    if end.reason == "killed":
+        return f"the script was {end.error}{code}"
     if end.reason in ("terminated", "interrupted"):
         return f"the run was {end.reason}{code}; the figures are from the steps before it ended"
     return f"the script finished{code}"
