@@ -1,5 +1,6 @@
 """stepscope: where does my PyTorch training step time go, and what is the one thing to fix first?"""
 
+from stepscope.analyses.params import ParamAudit, audit_params
 from stepscope.scope import NULL_SCOPE, NullScope, Scope
 from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
 
@@ -9,10 +10,12 @@ __all__ = [
     "NULL_SCOPE",
     "Fix",
     "NullScope",
+    "ParamAudit",
     "PhaseStats",
     "RunSummary",
     "Scope",
     "SummaryError",
     "Verdict",
     "__version__",
+    "audit_params",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 from stepscope import __version__
 from stepscope.summary import RunSummary, SummaryError
@@ -17,7 +19,10 @@ def _show(args: argparse.Namespace) -> int:
 
 
 RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
-_RUN_VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s"}
+PARAMS_USAGE = "stepscope params [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
+# Options of the verbs that run a script and take a value: the script's own arguments start after them.
+_VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s"}
+_SCRIPT_VERBS = ("run", "params")
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -29,28 +34,32 @@ def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
         word = argv[i]
         if word == "--" or word == "-m" or not word.startswith("-"):
             break
-        if word in _RUN_VALUED:
+        if word in _VALUED:
             i += 1
         i += 1
     return argv[:i], argv[i:]
 
 
+def _target(command: list[str], usage: str) -> Any:
+    from stepscope.instrument.launch import command_target, module_target, script_target
+
+    if not command:
+        raise UsageError(f"nothing to run. usage: {usage}")
+    if command[0] == "--":
+        return command_target(command[1:])
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise UsageError("-m needs a module name, e.g. -m package.train")
+        return module_target(command[1], command[2:])
+    return script_target(command[0], command[1:])
+
+
 def _run(args: argparse.Namespace) -> int:
-    from stepscope.instrument.launch import command_target, module_target, run, script_target
+    from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
     from stepscope.report.terminal import print_summary
 
-    command = args.command
-    if not command:
-        raise UsageError(f"nothing to run. usage: {RUN_USAGE}")
-    if command[0] == "--":
-        target = command_target(command[1:])
-    elif command[0] == "-m":
-        if len(command) < 2:
-            raise UsageError("-m needs a module name, e.g. stepscope run -m package.train")
-        target = module_target(command[1], command[2:])
-    else:
-        target = script_target(command[0], command[1:])
+    target = _target(args.command, RUN_USAGE)
     config = RunConfig(
         out_dir="",
         warmup=args.warmup,
@@ -68,8 +77,40 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
+def _params(args: argparse.Namespace) -> int:
+    import orjson
+
+    from stepscope.analyses.params import combine
+    from stepscope.instrument.launch import run
+    from stepscope.instrument.tracker import RunConfig
+    from stepscope.report.terminal import print_params
+
+    target = _target(args.command, PARAMS_USAGE)
+    config = RunConfig(
+        out_dir="", warmup=0, steps=0, stop=False, params_steps=args.steps, include_zero_grad=args.include_zero_grad
+    )
+    code, summary = run(target, config)
+    ranks = summary.ranks or [summary]
+    result = combine({r.meta.rank or 0: r.params for r in ranks})
+    sys.stdout.flush()
+    print_params(result, summary, include_zero_grad=args.include_zero_grad)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"audit written to {args.json}")
+    return code
+
+
 class UsageError(Exception):
     """Bad command-line input: printed as one sentence, exit code 2."""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _non_negative(text: str) -> int:
@@ -106,6 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="each process writes its figures so far this often (s), so a killed process still leaves them",
     )
     run.set_defaults(func=_run)
+
+    params = commands.add_parser(
+        "params",
+        help="which parameters get no gradient (can DDP's find_unused_parameters be False?)",
+        usage=PARAMS_USAGE,
+    )
+    params.add_argument(
+        "--steps", type=_positive, default=1, help="backward passes to audit (more find conditional ones; default 1)"
+    )
+    params.add_argument(
+        "--include-zero-grad", action="store_true", help="also list parameters whose gradient is all zeros"
+    )
+    params.add_argument("--json", metavar="PATH", help="write the audit here")
+    params.set_defaults(func=_params)
     return parser
 
 
@@ -115,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     command: list[str] = []
-    if argv[:1] == ["run"]:
+    if argv[:1] and argv[0] in _SCRIPT_VERBS:
         options, command = _split_run(argv[1:])
-        argv = ["run", *options]
+        argv = [argv[0], *options]
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):

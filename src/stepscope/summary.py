@@ -180,6 +180,7 @@ class RunSummary:
     counters: dict[str, float] = field(default_factory=dict)  # per measured step: item_calls, host_syncs, ...
     exit: Exit | None = None
     cluster: Cluster | None = None
+    params: list[dict[str, Any]] = field(default_factory=list)  # `stepscope params`: one audit per model
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +232,7 @@ class RunSummary:
                 counters=dict(data.get("counters", {})),
                 exit=None if data.get("exit") is None else _build(Exit, data["exit"]),
                 cluster=None if data.get("cluster") is None else _cluster(data["cluster"]),
+                params=list(data.get("params", [])),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:

@@ -96,7 +96,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
             # Inner module calls leave here after three attribute checks.
             if tracker.in_forward or tracker.in_fetch or not tracker.active or compiling():
                 return original(self, *args, **kwargs)
-            if not tracker.forward_begin():
+            if not tracker.forward_begin(self):
                 return original(self, *args, **kwargs)
             try:
                 return original(self, *args, **kwargs)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepscope.analyses.params import NO_AUDIT, ModelAuditor, NoAudit
 from stepscope.clock import HOST_ONLY
 from stepscope.record import NO_STEP_MARK
 from stepscope.scope import Scope
@@ -52,6 +53,8 @@ class RunConfig:
     launcher: bool = False  # a launcher command: only processes that train write a summary
     parent_pid: int = 0  # stepscope's own pid: its direct child is the script (script and -m modes)
     checkpoint_s: float = 30.0  # write the summary so far this often, so a killed process leaves its figures
+    params_steps: int | None = None  # `stepscope params`: audit parameters over this many backward passes, then stop
+    include_zero_grad: bool = False
 
 
 @dataclass
@@ -114,6 +117,9 @@ class Tracker:
         self.batch_ids: frozenset[int] = frozenset()
         self._last_checkpoint_ns = self._clock()
         self.on_checkpoint: Callable[[], None] | None = None
+        self.audit: ModelAuditor | NoAudit = (
+            NO_AUDIT if config.params_steps is None else ModelAuditor(config.params_steps, config.include_zero_grad)
+        )
 
     # -- exclusive phase time ----------------------------------------------------------------------------------
 
@@ -213,10 +219,11 @@ class Tracker:
                 self._end_epoch(state, complete=True)
 
     @_guarded
-    def forward_begin(self) -> bool:
+    def forward_begin(self, module: Any) -> bool:
         """The outermost module call begins; returns False when it is not to be timed (inside one already)."""
         if self.in_forward or self.in_fetch:
             return False
+        self.audit.see(module)
         self._close_backward_step()
         self.in_forward = True
         self._count("forward_calls")
@@ -243,6 +250,10 @@ class Tracker:
         if self.optimizers_created == 0 and self.boundary != "optimizer.step":
             self.boundary = "backward"
             self._backward_pending = True
+        if self.audit.end_backward():
+            self.stopped = True
+            self.stop_tracking()
+            raise StopRun()
 
     @_guarded
     def optimizer_step_end(self, optimizer: Any) -> None:
@@ -336,6 +347,7 @@ class Tracker:
         now = self._clock()
         summary.epochs += [self._epoch(s, now, complete=False) for s in states if s.epoch_open]
         summary.exit = self.outcome or Exit(reason="stopped" if self.stopped else "finished")
+        summary.params = [a.to_dict() for a in self.audit.audits()]
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
         if self.scope._recorder.steps_seen == 0:

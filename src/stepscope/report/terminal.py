@@ -142,3 +142,75 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
         console.print(line, markup=False)
     for note in summary.notes:
         console.print(f"note: {note}", markup=False)
+
+
+def _param_section(console: Console, title: str, items: list[dict], ascii_only: bool) -> None:
+    tensors, numel = len(items), sum(i["numel"] for i in items)
+    console.print(f"{title} ({tensors} tensor(s), {numel:,} parameters)", markup=False)
+    if not items:
+        console.print("  (none)", markup=False)
+        return
+    table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for header, justify in (("module", "left"), ("tensors", "right"), ("parameters", "right"), ("names", "left")):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    by_module: dict[str, list[dict]] = {}
+    for item in items:
+        by_module.setdefault(item["module"] or "(top level)", []).append(item)
+    for module, group in by_module.items():
+        names = []
+        for item in group:
+            alias = f" (also {', '.join(item['aliases'])})" if item.get("aliases") else ""
+            seen = f" [reached in {item['reached_steps']} pass(es)]" if item.get("reached_steps") is not None else ""
+            names.append(f"{item['name']}{alias}{seen}")
+        table.add_row(escape(module), str(len(group)), f"{sum(i['numel'] for i in group):,}", escape(", ".join(names)))
+    console.print(table)
+
+
+def print_params(result: dict, summary: RunSummary, include_zero_grad: bool, file: IO[str] | None = None) -> None:
+    """Print the parameter audit of `stepscope params`: UNUSED, (ZERO-GRAD,) FROZEN, then the tip."""
+    from stepscope.analyses.params import ParamAudit, ParamInfo
+
+    console = _console(file)
+    ascii_only = _plain(console)
+    line = exit_line(summary)
+    if not result.get("models"):
+        console.print("stepscope params: no model with parameters was called; there is nothing to audit.", markup=False)
+        if line:
+            console.print(line, markup=False)
+        return
+    ranks = f", union over {len(result['ranks'])} ranks" if "ranks" in result else ""
+    wrapped = f" (in {' in '.join(result['wrapped_in'])})" if result.get("wrapped_in") else ""
+    console.print(
+        f"stepscope params · {result['model']}{wrapped} · {result['steps']} backward pass(es) audited · "
+        f"{result['total_count']} parameter tensor(s), {result['used_count']} used{ranks}",
+        markup=False,
+    )
+    if result["steps"] == 0:
+        console.print(
+            "no backward pass happened, so unused parameters cannot be told apart from used ones: only FROZEN is "
+            "listed. Run the script's training loop (stepscope params stops it after --steps backward passes).",
+            markup=False,
+        )
+    else:
+        _param_section(console, "UNUSED", result["unused"], ascii_only)
+        if result["conditional"]:
+            _param_section(console, "CONDITIONAL (reached in some passes only)", result["conditional"], ascii_only)
+        if include_zero_grad:
+            _param_section(console, "ZERO-GRAD", result["zero_grad"], ascii_only)
+    _param_section(console, "FROZEN", result["frozen"], ascii_only)
+    lists = {k: [ParamInfo(**i) for i in result[k]] for k in ("unused", "zero_grad", "frozen", "conditional")}
+    audit = ParamAudit(
+        result["model"], result["steps"], result["used_count"], **lists, ddp_find_unused=result["ddp_find_unused"]
+    )
+    console.print(f"tip: {audit.advice}", markup=False)
+    ddp = {True: "sets find_unused_parameters=True", False: "sets find_unused_parameters=False"}
+    wrapped = ddp.get(result["ddp_find_unused"], "does not wrap this model in DistributedDataParallel")
+    console.print(f"DDP: the script {wrapped}.", markup=False)
+    for other in result["models"][1:]:
+        console.print(
+            f"also audited: {other['model']} ({other['total_count']} tensors): {len(other['unused'])} unused, "
+            f"{len(other['frozen'])} frozen",
+            markup=False,
+        )
+    if line and summary.exit and summary.exit.reason != "stopped":
+        console.print(line, markup=False)

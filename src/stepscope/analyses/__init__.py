@@ -1,0 +1,1 @@
+"""Analyses: pure functions over measured data (parameter audit, and later loader ceiling, traces)."""
