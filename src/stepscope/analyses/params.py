@@ -8,18 +8,23 @@ A parameter is *reached* in a backward pass when autograd accumulates a gradient
 hook fires). That is exactly what DDP's reducer waits for, and it is not fooled by DDP itself, which marks
 unreached parameters ready without touching them. Classes, over the audited backward passes:
 UNUSED (requires_grad, never reached: DDP with ``find_unused_parameters=False`` rejects these), ZERO-GRAD
-(reached, but its gradient was all zeros every time; checked only on request, as it reads every gradient),
+(reached, and the gradient arriving in each pass was all zeros; checked only on request, as it reads every
+gradient),
 FROZEN (requires_grad is False), USED; *conditional* are those reached in some passes but not all.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Prefixes that wrappers add to parameter names: DDP/DataParallel, torch.compile, FSDP, activation checkpointing.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+# Parts that wrappers add to parameter names. torch.compile's, FSDP's and activation checkpointing's are private
+# names, removed wherever they occur; DDP/DataParallel's "module." is removed only as a leading prefix, and only when
+# such a wrapper is there (a model may well have an attribute of its own called "module").
+PRIVATE_WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+DATA_PARALLEL = ("DistributedDataParallel", "DataParallel")
 
 
 @dataclass
@@ -68,15 +73,19 @@ class ParamAudit:
         )
 
 
-def strip_wrappers(name: str) -> str:
-    """A parameter name without the prefixes wrappers add (``module.``, ``_orig_mod.``, FSDP's, checkpointing's)."""
+def strip_wrappers(name: str, data_parallel: bool = True) -> str:
+    """A parameter name as the user wrote it: without torch.compile's, FSDP's and checkpointing's parts, and
+    without DDP/DataParallel's leading ``module.`` when ``data_parallel`` (the model is wrapped in one)."""
     changed = True
     while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix) :], True
-            name = name.replace("." + prefix, ".")
+        before = name
+        for part in PRIVATE_WRAPPER_PARTS:
+            if name.startswith(part):
+                name = name[len(part) :]
+            name = name.replace("." + part, ".")
+        if data_parallel and name.startswith("module."):
+            name = name[len("module.") :]
+        changed = name != before
     return name
 
 
@@ -115,20 +124,32 @@ class ParamWatch:
         self.steps = 0
         self._names: dict[int, list[str]] = {}
         self._params: dict[int, Any] = {}
+        data_parallel = any(type(w).__name__ in DATA_PARALLEL for w in unwrap(model)[1])
         for name, param in model.named_parameters(remove_duplicate=False):
             key = id(param)
             self._params[key] = param
-            clean = strip_wrappers(name)
+            clean = strip_wrappers(name, data_parallel)
             if clean not in self._names.setdefault(key, []):
                 self._names[key].append(clean)
         self._reached_now: set[int] = set()
+        self._nonzero_now: set[int] = set()
         self._reached: dict[int, int] = dict.fromkeys(self._params, 0)
         self._zero: dict[int, int] = dict.fromkeys(self._params, 0)
-        self._handles = [
-            param.register_post_accumulate_grad_hook(self._on_grad)
-            for param in self._params.values()
-            if param.requires_grad
-        ]
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Hook every parameter that requires grad and is not hooked yet: one unfrozen since (a layer thawed at
+        epoch N) is watched from the next backward pass on. Called before each pass."""
+        for key, param in self._params.items():
+            if key in self._hooked or not param.requires_grad:
+                continue
+            self._hooked.add(key)
+            self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+            if self.include_zero_grad:
+                # The gradient arriving in this pass, before accumulation: .grad may hold older gradients.
+                self._handles.append(param.register_hook(functools.partial(self._on_incoming, key)))
 
     @property
     def has_parameters(self) -> bool:
@@ -137,19 +158,21 @@ class ParamWatch:
     def _on_grad(self, param: Any) -> None:
         self._reached_now.add(id(param))
 
+    def _on_incoming(self, key: int, grad: Any) -> None:
+        if bool(grad.any()):
+            self._nonzero_now.add(key)
+
     def end_backward(self) -> bool:
         """Close one backward pass; returns True when it reached this model."""
-        if not self._reached_now:
-            return False
-        self.steps += 1
-        for key in self._reached_now:
-            self._reached[key] += 1
-            if self.include_zero_grad:
-                grad = self._params[key].grad
-                if grad is not None and not bool(grad.any()):
+        reached = self._reached_now
+        if reached:
+            self.steps += 1
+            for key in reached:
+                self._reached[key] += 1
+                if self.include_zero_grad and key not in self._nonzero_now:
                     self._zero[key] += 1
-        self._reached_now.clear()
-        return True
+        self._reached_now, self._nonzero_now = set(), set()
+        return bool(reached)
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -208,6 +231,7 @@ def audit_params(model: Any, step_fn: Callable[[], Any], steps: int = 3, include
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to audit.")
     try:
         for _ in range(steps):
+            watch.refresh()
             step_fn()
             watch.end_backward()
     finally:
@@ -230,6 +254,11 @@ class ModelAuditor:
         if id(module) not in self._watches:
             self._watches[id(module)] = ParamWatch(module, self.include_zero_grad)
 
+    def begin_backward(self) -> None:
+        """A backward pass begins: parameters unfrozen since the last one get their hooks now."""
+        for watch in self._watches.values():
+            watch.refresh()
+
     def end_backward(self) -> bool:
         """A backward pass ended; returns True once ``steps`` of them have been audited."""
         self.backwards += 1
@@ -250,6 +279,9 @@ class NoAudit:
     backwards = 0
 
     def see(self, module: Any) -> None:
+        return None
+
+    def begin_backward(self) -> None:
         return None
 
     def end_backward(self) -> bool:

@@ -241,6 +241,7 @@ class Tracker:
             return False  # Tensor.backward calling torch.autograd.backward
         self._close_backward_step()
         self._count("backward_calls")
+        self.audit.begin_backward()
         self._enter("backward")
         return True
 

@@ -145,24 +145,26 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
 
 
 def _param_section(console: Console, title: str, items: list[dict], ascii_only: bool) -> None:
-    tensors, numel = len(items), sum(i["numel"] for i in items)
-    console.print(f"{title} ({tensors} tensor(s), {numel:,} parameters)", markup=False)
+    """One row per tensor (module, name, numel), grouped by module; a module's totals on its first row."""
+    console.print(f"{title} ({len(items)} tensor(s), {sum(i['numel'] for i in items):,} parameters)", markup=False)
     if not items:
         console.print("  (none)", markup=False)
         return
     table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for header, justify in (("module", "left"), ("tensors", "right"), ("parameters", "right"), ("names", "left")):
+    for header, justify in (("module", "left"), ("tensor", "left"), ("numel", "right"), ("module total", "right")):
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     by_module: dict[str, list[dict]] = {}
     for item in items:
         by_module.setdefault(item["module"] or "(top level)", []).append(item)
     for module, group in by_module.items():
-        names = []
-        for item in group:
-            alias = f" (also {', '.join(item['aliases'])})" if item.get("aliases") else ""
-            seen = f" [reached in {item['reached_steps']} pass(es)]" if item.get("reached_steps") is not None else ""
-            names.append(f"{item['name']}{alias}{seen}")
-        table.add_row(escape(module), str(len(group)), f"{sum(i['numel'] for i in group):,}", escape(", ".join(names)))
+        total = f"{len(group)} tensor(s), {sum(i['numel'] for i in group):,}"
+        for row, item in enumerate(group):
+            name = item["name"]
+            if item.get("aliases"):
+                name += f" (also {', '.join(item['aliases'])})"
+            if item.get("reached_steps") is not None:
+                name += f" [reached in {item['reached_steps']} pass(es)]"
+            table.add_row(escape(module), escape(name), f"{item['numel']:,}", total if row == 0 else "")
     console.print(table)
 
 
