@@ -106,18 +106,16 @@ class UsageError(Exception):
     """Bad command-line input: printed as one sentence, exit code 2."""
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Any:
+    """An argparse type: an integer no smaller than ``minimum``."""
 
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile an unmodified training script (or a torchrun/accelerate command) and name the bottleneck",
         usage=RUN_USAGE,
     )
-    run.add_argument("--warmup", type=_non_negative, default=20, help="steps to skip before measuring (default 20)")
-    run.add_argument("--steps", type=_non_negative, default=200, help="steps to measure, then stop (default 200)")
+    run.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
+    run.add_argument("--steps", type=_int_at_least(0), default=200, help="steps to measure, then stop (default 200)")
     run.add_argument("--no-stop", action="store_true", help="let the script run to its end")
     run.add_argument("--json", metavar="PATH", help="write the RunSummary here")
     run.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
@@ -154,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         usage=PARAMS_USAGE,
     )
     params.add_argument(
-        "--steps", type=_positive, default=1, help="backward passes to audit (more find conditional ones; default 1)"
+        "--steps",
+        type=_int_at_least(1),
+        default=1,
+        help="backward passes to audit (more find conditional ones; default 1)",
     )
     params.add_argument(
         "--include-zero-grad", action="store_true", help="also list parameters whose gradient is all zeros"
