@@ -140,7 +140,7 @@ def test_round_trip_of_a_real_scope_summary(tmp_path, clock):
 def test_json_form_puts_schema_version_first():
     data = orjson.loads(full_summary().to_json())
     assert next(iter(data)) == "schema_version"
-    assert data["schema_version"] == SCHEMA_VERSION == 1
+    assert data["schema_version"] == SCHEMA_VERSION == 2
     assert data["phases"]["forward"]["device_p95_ms"] == 22.0
     assert data["fixes"][1]["gain_bound"] is None
 
@@ -256,3 +256,12 @@ def test_values_outside_the_vocabulary_are_refused(tmp_path, edit, message):
     edit(data)
     with pytest.raises(SummaryError, match=message):
         RunSummary.from_dict(data)
+
+
+def test_schema_1_file_is_upgraded_with_empty_facts():
+    data = RunSummary().to_dict()
+    data["schema_version"] = 1
+    del data["facts"]
+    summary = RunSummary.from_dict(data)
+    assert summary.schema_version == 2
+    assert summary.facts == {}

@@ -20,9 +20,10 @@ def _show(args: argparse.Namespace) -> int:
 
 RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 PARAMS_USAGE = "stepscope params [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
+DOCTOR_USAGE = "stepscope doctor [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 # Options of the verbs that run a script and take a value: the script's own arguments start after them.
 _VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s"}
-_SCRIPT_VERBS = ("run", "params")
+_SCRIPT_VERBS = ("run", "params", "doctor")
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -102,6 +103,35 @@ def _params(args: argparse.Namespace) -> int:
     return code
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from stepscope.doctor.checkup import examine, lint_script, script_path
+    from stepscope.instrument.launch import run
+    from stepscope.instrument.tracker import RunConfig
+    from stepscope.report.terminal import print_doctor
+
+    target = _target(args.command, DOCTOR_USAGE)
+    lint, notes = lint_script(script_path(target.argv[1:]))
+    config = RunConfig(
+        out_dir="",
+        warmup=args.warmup,
+        steps=args.steps,
+        checkpoint_s=args.checkpoint_s,
+        batch_size=args.batch_size,
+        # The parameter audit's hooks run during the first warm-up passes only, then come off.
+        params_steps=max(1, min(3, args.warmup)),
+        audit_continue=True,
+    )
+    code, summary = run(target, config)
+    summary.notes += notes
+    examine(summary, lint)
+    sys.stdout.flush()
+    print_doctor(summary)
+    if args.json:
+        summary.to_json(args.json)
+        print(f"summary written to {args.json}")
+    return code
+
+
 class UsageError(Exception):
     """Bad command-line input: printed as one sentence, exit code 2."""
 
@@ -162,6 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params.add_argument("--json", metavar="PATH", help="write the audit here")
     params.set_defaults(func=_params)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="run the script, name the bottleneck with its evidence and rank the fixes by cost and gain",
+        usage=DOCTOR_USAGE,
+    )
+    doctor.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring")
+    doctor.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop")
+    doctor.add_argument("--json", metavar="PATH", help="write the RunSummary (verdict, fixes, facts) here")
+    doctor.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
+    doctor.add_argument(
+        "--checkpoint-s", type=float, default=30.0, help="each process writes its figures so far this often (s)"
+    )
+    doctor.set_defaults(func=_doctor)
     return parser
 
 

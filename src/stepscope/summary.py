@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -181,6 +181,7 @@ class RunSummary:
     exit: Exit | None = None
     cluster: Cluster | None = None
     params: list[dict[str, Any]] = field(default_factory=list)  # `stepscope params`: one audit per model
+    facts: dict[str, Any] = field(default_factory=dict)  # runtime settings the doctor reads (docs/summary-schema.md)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -233,6 +234,7 @@ class RunSummary:
                 exit=None if data.get("exit") is None else _build(Exit, data["exit"]),
                 cluster=None if data.get("cluster") is None else _cluster(data["cluster"]),
                 params=list(data.get("params", [])),
+                facts=dict(data.get("facts", {})),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:
@@ -283,5 +285,9 @@ def _build(cls: type, data: Any) -> Any:
     return cls(**data)
 
 
-# schema_version N -> N+1. Each entry rewrites a loaded dict in place of a migration; none yet (schema 1 is the first).
-_UPGRADES: dict[int, Any] = {}
+def _add_facts(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "facts": {}, "schema_version": 2}
+
+
+# schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
+_UPGRADES: dict[int, Any] = {1: _add_facts}

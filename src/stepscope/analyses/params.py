@@ -266,6 +266,11 @@ class ModelAuditor:
             watch.end_backward()
         return self.backwards >= self.steps
 
+    def close(self) -> None:
+        """Remove every hook: the audit is complete and the run goes on unwatched."""
+        for watch in self._watches.values():
+            watch.close()
+
     def audits(self) -> list[ParamAudit]:
         """One audit per model that has parameters and received a backward (all such models when none did)."""
         watches = [w for w in self._watches.values() if w.has_parameters]

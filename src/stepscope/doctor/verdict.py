@@ -8,6 +8,10 @@ confidence is high from ``HIGH_SHARE`` on. When no group reaches ``MIN_SHARE`` t
 With CUDA timing the host clock only sees kernel launches, so compute and optimizer use the phases' GPU time,
 and host is the time the GPU was given nothing to do that was not spent waiting for data. Fewer than
 ``MIN_STEPS`` measured steps give ``unknown``: too little evidence.
+
+The shares are then checked against what else was measured (``refine``): allocator retries make the verdict
+``memory``; GPU utilisation that reads high while the SM clock or power is low turns ``compute`` into ``host``
+(a trickle of tiny kernels); the loader workers' CPU says whether a data-bound step is transform- or IO-bound.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 MIN_STEPS = 3
 MIN_SHARE = 0.40
 HIGH_SHARE = 0.60
+MIN_RETRY_RATE = 0.05  # allocator retries per measured step from which memory pressure is the verdict
 
 
 def _host_share(phases: dict[str, PhaseStats], name: str) -> float:
@@ -85,4 +90,29 @@ def classify(summary: RunSummary) -> Verdict:
         parts = ", ".join(f"{g} {100 * s:.0f}%" for g, s in sorted(shares.items(), key=lambda i: -i[1]))
         return Verdict("balanced", "medium", [f"no part of the step reaches {100 * MIN_SHARE:.0f}%: {parts}"])
     confidence = "high" if share >= HIGH_SHARE else "medium"
-    return Verdict(group, confidence, _evidence(summary, group, share))
+    return refine(summary, Verdict(group, confidence, _evidence(summary, group, share)))
+
+
+def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
+    """Correct or support a phase-share verdict with the system samples and runtime facts, when measured."""
+    signals = {s["id"]: s.get("evidence", "") for s in summary.system.get("signals", [])}
+    device = summary.facts.get("device", {})
+    retries = device.get("alloc_retries", 0)
+    measured = max(summary.steps.measured, 1)
+    if retries and retries / measured >= MIN_RETRY_RATE:
+        evidence = [f"{retries} CUDA allocator retries (cache flushes with a device sync) in {measured} steps"]
+        if device.get("total_mb"):
+            evidence.append(f"peak memory {device['peak_reserved_mb']:.0f} of {device['total_mb']:.0f} MB reserved")
+        return Verdict("memory", "medium", evidence + verdict.evidence)
+    if verdict.bound == "compute" and "launch_bound" in signals:
+        return Verdict("host", "medium", [signals["launch_bound"], *verdict.evidence])
+    extra = [signals[name] for name in ("transform_bound", "io_bound") if verdict.bound == "data" and name in signals]
+    if "throttled" in signals:
+        extra.append(signals["throttled"])
+    straggler = summary.cluster.straggler if summary.cluster else None
+    if straggler is not None:
+        extra.append(
+            f"rank {straggler.rank} is the straggler: its {straggler.phase} is {straggler.excess_ms:.1f} ms above "
+            "the median of the other ranks"
+        )
+    return Verdict(verdict.bound, verdict.confidence, verdict.evidence + extra)

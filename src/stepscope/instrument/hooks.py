@@ -81,9 +81,11 @@ def install(tracker: Tracker) -> Callable[[], None]:
                 return original(self, *args, **kwargs)
             tracker.enter("h2d")
             try:
-                return original(self, *args, **kwargs)
+                result = original(self, *args, **kwargs)
             finally:
                 tracker.exit("h2d")
+            tracker.h2d_copy(self, result, bool(kwargs.get("non_blocking")) or any(a is True for a in args))
+            return result
 
         return copy
 
@@ -96,7 +98,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
             # Inner module calls leave here after three attribute checks.
             if tracker.in_forward or tracker.in_fetch or not tracker.active or compiling():
                 return original(self, *args, **kwargs)
-            if not tracker.forward_begin(self):
+            if not tracker.forward_begin(self, args, kwargs):
                 return original(self, *args, **kwargs)
             try:
                 return original(self, *args, **kwargs)
@@ -145,8 +147,44 @@ def install(tracker: Tracker) -> Callable[[], None]:
         patch(clip_grad, name, make_phase("clip"))
         patch(nn.utils, name, make_phase("clip"))
     patch(torch.amp.GradScaler, "unscale_", make_phase("clip"))
-    patch(torch.optim.Optimizer, "zero_grad", make_phase("zero_grad"))
-    patch(nn.Module, "zero_grad", make_phase("zero_grad"))
+
+    def make_zero_grad(original: Any) -> Any:
+        timed = make_phase("zero_grad")(original)
+
+        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # set_to_none=False writes zeros into every gradient instead of dropping them (a fact for the doctor).
+            tracker.zero_grad_set_to_none = bool(args[0] if args else kwargs.get("set_to_none", True))
+            return timed(self, *args, **kwargs)
+
+        return zero_grad
+
+    patch(torch.optim.Optimizer, "zero_grad", make_zero_grad)
+    patch(nn.Module, "zero_grad", make_zero_grad)
+
+    # activation checkpointing and attention kernels: facts for the doctor -------------------------------------
+    import torch.utils.checkpoint as checkpoint_module
+
+    def make_checkpoint(original: Any) -> Any:
+        def checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if tracker.active and not compiling():
+                tracker.count("checkpoint_calls")
+            return original(*args, **kwargs)
+
+        return checkpoint
+
+    patch(checkpoint_module, "checkpoint", make_checkpoint)
+
+    def make_sdpa(original: Any) -> Any:
+        def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+            if tracker.sdpa_probes_left and tracker.active and not compiling():
+                query = args[0] if args else kwargs.get("query")
+                if getattr(query, "is_cuda", False):
+                    tracker.probe_sdpa(args, kwargs)
+            return original(*args, **kwargs)
+
+        return scaled_dot_product_attention
+
+    patch(torch.nn.functional, "scaled_dot_product_attention", make_sdpa)
 
     # optimizer: global step hooks, and construction (which decides the step boundary) ----------------------
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

@@ -138,10 +138,4 @@ def run(target: Target, config: RunConfig) -> tuple[int, RunSummary]:
     summary.exit = dataclasses.replace(exit_info, code=code)
     if summary.ranks:
         summary.verdict = classify(summary)
-        if summary.cluster and summary.cluster.straggler:
-            s = summary.cluster.straggler
-            summary.verdict.evidence.append(
-                f"rank {s.rank} is the straggler: its {s.phase} is {s.excess_ms:.1f} ms above "
-                "the median of the other ranks"
-            )
     return code, summary

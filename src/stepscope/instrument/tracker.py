@@ -22,6 +22,7 @@ from typing import Any
 
 from stepscope.analyses.params import NO_AUDIT, ModelAuditor, NoAudit
 from stepscope.clock import HOST_ONLY
+from stepscope.doctor import facts
 from stepscope.record import NO_STEP_MARK
 from stepscope.scope import Scope
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
@@ -30,7 +31,16 @@ HOST_PHASES = frozenset({"data_wait"})
 # Scalar reads (.item(), .tolist()) made here are not the script's own: torch's optimizer and clipping code (Adam
 # reads its step counters) and the data pipeline.
 QUIET_PHASES = frozenset({"optimizer", "clip", "zero_grad", "data_wait"})
-COUNTERS = ("batches", "forward_calls", "backward_calls", "optimizer_steps", "item_calls", "host_syncs")
+COUNTERS = (
+    "batches",
+    "forward_calls",
+    "backward_calls",
+    "optimizer_steps",
+    "item_calls",
+    "host_syncs",
+    "checkpoint_calls",
+)
+PROBES = 8  # forward passes (and attention calls) probed for runtime facts at the start of the measured window
 
 
 class StopRun(SystemExit):
@@ -55,6 +65,7 @@ class RunConfig:
     checkpoint_s: float = 30.0  # write the summary so far this often, so a killed process leaves its figures
     params_steps: int | None = None  # `stepscope params`: audit parameters over this many backward passes, then stop
     include_zero_grad: bool = False
+    audit_continue: bool = False  # `stepscope doctor`: after the audit's backward passes, go on training unwatched
 
 
 @dataclass
@@ -120,6 +131,17 @@ class Tracker:
         self.audit: ModelAuditor | NoAudit = (
             NO_AUDIT if config.params_steps is None else ModelAuditor(config.params_steps, config.include_zero_grad)
         )
+        # runtime facts for the doctor: probed at the first forward passes of the measured window
+        self.probes_left = PROBES
+        self.sdpa_probes_left = PROBES
+        self._probed: dict[str, Any] = {}
+        self._models: dict[int, weakref.ref[Any]] = {}
+        self._optimizers: dict[int, weakref.ref[Any]] = {}
+        self._graphs_at_measure: int | None = None
+        self._h2d = {"copies": 0, "non_blocking": 0, "to_cuda": 0, "pinned_source": 0}
+        self.zero_grad_set_to_none: bool | None = None
+        self.facts_failure: str | None = None
+        self.audited: list[Any] | None = None  # the parameter audits, once complete
 
     # -- exclusive phase time ----------------------------------------------------------------------------------
 
@@ -219,12 +241,14 @@ class Tracker:
                 self._end_epoch(state, complete=True)
 
     @_guarded
-    def forward_begin(self, module: Any) -> bool:
+    def forward_begin(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """The outermost module call begins; returns False when it is not to be timed (inside one already)."""
         if self.in_forward or self.in_fetch:
             return False
         self.audit.see(module)
         self._close_backward_step()
+        if self.probes_left:
+            self._probe(module, args, kwargs)
         self.in_forward = True
         self._count("forward_calls")
         self._enter("forward")
@@ -252,6 +276,11 @@ class Tracker:
             self.boundary = "backward"
             self._backward_pending = True
         if self.audit.end_backward():
+            self.audited = self.audit.audits()
+            if self.config.audit_continue:
+                self.audit.close()
+                self.audit = NO_AUDIT
+                return
             self.stopped = True
             self.stop_tracking()
             raise StopRun()
@@ -264,6 +293,8 @@ class Tracker:
         self.boundary = "optimizer.step"
         self._backward_pending = False
         key = id(optimizer)
+        if key not in self._optimizers:
+            self._optimizers[key] = weakref.ref(optimizer)
         if key not in self._round:
             # A new optimizer joins the round after those seen so far: it is now the one that ends a round.
             self._round.add(key)
@@ -309,11 +340,14 @@ class Tracker:
         open_phases = bool(self._stack)
         if open_phases:
             self._close_segment(self._clock())
-        if not scope._recorder.measuring:
+        warming_up = not scope._recorder.measuring
+        if warming_up:
             self._seen_at_measure = dict(self.seen)  # a warm-up step: measured counts start after it
         self._seen_closed = dict(self.seen)
         samples = self._step_samples or self.config.batch_size
         scope.step(batch_size=samples or None)
+        if warming_up and scope._recorder.measuring:
+            self._begin_measuring()
         self._step_samples = 0
         if scope._failed:
             self.stop_tracking()
@@ -327,6 +361,93 @@ class Tracker:
             self.stopped = True
             self.stop_tracking()
             raise StopRun()
+
+    # -- runtime facts -----------------------------------------------------------------------------------------
+
+    def _begin_measuring(self) -> None:
+        """The measured window starts: the facts describe it, not the warm-up."""
+        self.probes_left = self.sdpa_probes_left = PROBES
+        self._probed = {}
+        dynamo = facts.dynamo_counters()
+        self._graphs_at_measure = 0 if dynamo is None else dynamo["graphs"]
+
+    def _probe(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Read the settings that only hold while the script's context managers are open."""
+        self.probes_left -= 1
+        try:
+            self._read_probe(module, args, kwargs)
+        except Exception as error:  # facts are extras: a failure ends probing, not measuring
+            self.probes_left = self.sdpa_probes_left = 0
+            self.facts_failure = f"{type(error).__name__}: {error}"
+
+    def _read_probe(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        probed = self._probed
+        flags = facts.torch_flags()
+        for name in ("anomaly", "profiler"):  # on in any probed pass counts
+            flags[name] = flags[name] or probed.get("torch", {}).get(name, False)
+        probed["torch"] = flags
+        probed.setdefault("autocast", {}).update(facts.autocast_state())
+        if next(module.parameters(), None) is not None and len(self._models) < 4:
+            self._models.setdefault(id(module), weakref.ref(module))
+            shape = facts.first_input(args, kwargs)
+            if shape is not None:
+                inputs = probed.setdefault("inputs", [])
+                if shape not in inputs:
+                    inputs.append(shape)
+
+    def probe_sdpa(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An attention call on CUDA: which fused kernels could take it."""
+        self.sdpa_probes_left -= 1
+        try:
+            self._read_sdpa(args, kwargs)
+        except Exception as error:
+            self.sdpa_probes_left = 0
+            self.facts_failure = f"{type(error).__name__}: {error}"
+
+    def _read_sdpa(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        values = dict(zip(names, args, strict=False))
+        values.update({k: v for k, v in kwargs.items() if k in names})
+        values.setdefault("attn_mask", None)
+        values.setdefault("dropout_p", 0.0)
+        values.setdefault("is_causal", False)
+        fact = facts.sdpa_kernels(**values)
+        calls = self._probed.setdefault("sdpa", [])
+        if fact not in calls:
+            calls.append(fact)
+
+    @_guarded
+    def h2d_copy(self, source: Any, result: Any, non_blocking: bool) -> None:
+        """A copy of a loader tensor: was it non-blocking, to the GPU, from pinned memory?"""
+        counts = self._h2d
+        counts["copies"] += 1
+        counts["non_blocking"] += non_blocking
+        if getattr(result, "is_cuda", False):
+            counts["to_cuda"] += 1
+            if counts["to_cuda"] <= PROBES:  # is_pinned asks the allocator: sample it
+                counts["pinned_source"] += bool(source.is_pinned())
+
+    def runtime_facts(self) -> dict[str, Any]:
+        """Everything the doctor's rules read about this process (see doctor/facts.py)."""
+        found: dict[str, Any] = dict(self._probed)
+        models = [m for ref in self._models.values() if (m := ref()) is not None]
+        found["models"] = [facts.describe_model(m) for m in models]
+        optimizers = [o for ref in self._optimizers.values() if (o := ref()) is not None]
+        found["optimizers"] = [facts.describe_optimizer(o) for o in optimizers]
+        found["threads"] = facts.threads()
+        if self.zero_grad_set_to_none is not None:
+            found["zero_grad"] = {"set_to_none": self.zero_grad_set_to_none}
+        if self._h2d["copies"]:
+            found["h2d"] = dict(self._h2d)
+        dynamo = facts.dynamo_counters()
+        if dynamo is not None:
+            at_start = self._graphs_at_measure
+            dynamo["graphs_in_window"] = None if at_start is None else dynamo["graphs"] - at_start
+            found["dynamo"] = dynamo
+        device = facts.device()
+        if device is not None:
+            found["device"] = device
+        return found
 
     # -- results ------------------------------------------------------------------------------------------------
 
@@ -348,7 +469,14 @@ class Tracker:
         now = self._clock()
         summary.epochs += [self._epoch(s, now, complete=False) for s in states if s.epoch_open]
         summary.exit = self.outcome or Exit(reason="stopped" if self.stopped else "finished")
-        summary.params = [a.to_dict() for a in self.audit.audits()]
+        audits = self.audit.audits() if self.audited is None else self.audited
+        summary.params = [a.to_dict() for a in audits]
+        try:
+            summary.facts = self.runtime_facts()
+        except Exception as error:  # a fact that cannot be read must not cost the figures
+            self.facts_failure = f"{type(error).__name__}: {error}"
+        if self.facts_failure:
+            summary.notes.append(f"some runtime settings could not be read ({self.facts_failure})")
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
         if self.scope._recorder.steps_seen == 0:

@@ -14,10 +14,12 @@ from typing import IO
 from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from stepscope.record import TOTAL
-from stepscope.summary import RunSummary
+from stepscope.summary import Fix, RunSummary
 
 # SIMPLE_HEAD with an ASCII rule under the header.
 _ASCII_HEAD = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
@@ -116,7 +118,7 @@ def exit_line(summary: RunSummary) -> str | None:
     return f"the script finished{code}"
 
 
-def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
+def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line: bool = True) -> None:
     """Print the phase table, throughput, verdict and notes of a summary (and its ranks, for several)."""
     console = _console(file)
     timing = "CUDA events (gpu columns) + host clock" if summary.meta.timing == "cuda" else "host clock"
@@ -128,7 +130,8 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None) -> None:
         console.print(throughput_line(summary), markup=False)
         verdict = summary.verdict
         evidence = f" ({'; '.join(verdict.evidence)})" if verdict.evidence else ""
-        console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
+        if verdict_line:
+            console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
     if summary.ranks:
         cluster = summary.cluster
         console.print(f"ranks: {len(summary.ranks)} of {cluster.world_size if cluster else '?'} reported", markup=False)
@@ -216,3 +219,46 @@ def print_params(result: dict, summary: RunSummary, include_zero_grad: bool, fil
         )
     if line and summary.exit and summary.exit.reason != "stopped":
         console.print(line, markup=False)
+
+
+def gain_text(fix: Fix) -> str:
+    """A fix's gain bound in words: "≤ 42%" of the step, or "?" when it cannot be bounded."""
+    return "?" if fix.gain_bound is None else f"≤ {100 * fix.gain_bound:.0f}%"
+
+
+def fix_table(summary: RunSummary, ascii_only: bool = False) -> Table:
+    """One row per ranked fix: rank, id, title, cost, gain bound, whether it changes numerics."""
+    table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for header, justify in (("#", "right"), ("fix", "left"), ("", "left"), ("cost", "left"), ("gain", "right")):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    table.add_column("numerics", justify="left")
+    for rank, fix in enumerate(summary.fixes, 1):
+        numerics = "changes" if fix.changes_numerics else ""
+        table.add_row(str(rank), fix.id, escape(fix.title), fix.cost, gain_text(fix), numerics)
+    return table
+
+
+def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
+    """Print `stepscope doctor`'s report: the run's phase table, the verdict with its evidence, the ranked
+    fixes, and each fix's mechanism, evidence and change."""
+    console = _console(file)
+    print_summary(summary, file=console.file, verdict_line=False)
+    verdict = summary.verdict
+    console.print(f"\nverdict: {verdict.bound} (confidence {verdict.confidence})", markup=False)
+    for line in verdict.evidence:
+        console.print(f"  - {line}", markup=False)
+    if not summary.fixes:
+        console.print("\nno fix applies to what was measured.", markup=False)
+        return
+    console.print("\nfixes, cheapest first, then by the most step time they can save:", markup=False)
+    console.print(fix_table(summary, ascii_only=_plain(console)))
+    for rank, fix in enumerate(summary.fixes, 1):
+        gain = gain_text(fix) + " of step time" if fix.gain_bound is not None else "gain not bounded"
+        console.print(f"\n{rank}. {fix.title} [{fix.id} · {fix.cost} · {gain}]", markup=False)
+        lines = [f"why: {fix.why}", *(f"seen: {line}" for line in fix.evidence), f"how: {fix.how}"]
+        if fix.gain_reason:
+            lines.append(f"bound: {fix.gain_reason}")
+        if fix.changes_numerics:
+            lines.append("note: this changes the numerics of training; check the loss curve.")
+        for line in lines:  # wrapped lines stay indented under their label
+            console.print(Padding(Text(line), (0, 0, 0, 3)))

@@ -1,0 +1,957 @@
+"""The catalogue of fixes: each rule reads measured facts and, when they show its problem, returns a finding.
+
+A rule is a small function from a ``Case`` (a run's summary with its runtime facts, and the script's lint) to a
+``Finding`` or None, registered with its fixed text: id, title, mechanism (``why``), the change (``how``), its
+cost (``config`` < ``code`` < ``infra``) and whether it changes numerics. An absent fact makes a rule silent,
+never wrong: every check first asks whether what it rests on was measured.
+
+``gain_bound`` is an upper bound on the step-time saving (0..1). Most come from Amdahl's law: a fix that only
+speeds up the forward and backward passes cannot save more than their share of the step. Where no measured share
+bounds a fix, the bound is None with the reason.
+
+docs/fixes.md is generated from this catalogue (``python -m stepscope.doctor.rules > docs/fixes.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepscope.doctor.lint import LintHit
+from stepscope.doctor.verdict import group_shares
+from stepscope.record import TOTAL
+from stepscope.summary import COSTS, Fix, RunSummary
+
+# Thresholds, as fractions of the measured step unless said otherwise.
+MIN_DATA_SHARE = 0.05  # data_wait below this: loader fixes cannot gain enough to be worth listing
+MIN_STALL_SHARE = 0.02  # epoch-start stalls below this share of epoch time are not worth a fix
+BURSTY_MEDIAN = 0.2  # median fetch below this fraction of the mean ...
+BURSTY_P95 = 4.0  # ... and p95 above this multiple of the median: bimodal (buffer hits vs blocking on workers)
+MIN_SYNC_SHARE = 0.01
+MIN_HOST_SHARE = 0.30  # GPU idle outside data waits: launch-bound from here
+AMPERE = (8, 0)
+HEADROOM = 0.5  # peak memory below this share of the device: room to spare
+ZERO3_FITS = 0.6  # params + grads + Adam states below this share of one device: one replica fits
+ADAM_BYTES_PER_PARAM_BYTE = 4  # parameter, gradient and two Adam moments, all of the parameter's dtype
+
+
+@dataclass
+class Finding:
+    """What a rule saw: the evidence, and the bound on the gain (None with a reason when it cannot be bounded)."""
+
+    evidence: list[str]
+    gain_bound: float | None
+    gain_reason: str = ""
+    how: str | None = None  # replaces the rule's generic ``how`` when the facts give the exact change
+
+
+@dataclass
+class Case:
+    """What the rules read: a run's summary (with ``facts``) and the findings of the script's lint."""
+
+    summary: RunSummary
+    lint: list[LintHit] = field(default_factory=list)
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        return self.summary.facts
+
+    @functools.cached_property
+    def groups(self) -> dict[str, float]:
+        return group_shares(self.summary) if TOTAL in self.summary.phases else {}
+
+    @property
+    def measured(self) -> bool:
+        return self.summary.steps.measured > 0 and TOTAL in self.summary.phases
+
+    @property
+    def cuda(self) -> bool:
+        return "device" in self.facts or self.summary.meta.timing == "cuda"
+
+    def share(self, *phases: str) -> float:
+        """Share of the step (0..1) spent in these phases: GPU time for GPU work when CUDA-timed."""
+        total = 0.0
+        for name in phases:
+            stats = self.summary.phases.get(name)
+            if stats is None or stats.nested:
+                continue
+            use_device = self.summary.meta.timing == "cuda" and stats.device_share is not None and name != "data_wait"
+            total += stats.device_share if use_device else stats.share
+        return min(total, 1.0)
+
+    def ms(self, phase: str) -> float | None:
+        stats = self.summary.phases.get(phase)
+        return None if stats is None else stats.mean_ms
+
+    def lines(self, kind: str) -> list[LintHit]:
+        return [hit for hit in self.lint if hit.kind == kind]
+
+    def models(self) -> list[dict[str, Any]]:
+        return list(self.facts.get("models", []))
+
+    def torch_flag(self, name: str) -> Any:
+        return self.facts.get("torch", {}).get(name)
+
+    def autocast(self) -> bool | None:
+        """Whether autocast was on in the probed forward passes; None when they were not probed."""
+        if "autocast" not in self.facts:
+            return None
+        return bool(self.facts["autocast"])
+
+    def signals(self) -> dict[str, str]:
+        return {s["id"]: s.get("evidence", "") for s in self.summary.system.get("signals", [])}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of the catalogue: fixed text, and the check that decides whether it applies."""
+
+    id: str
+    title: str
+    why: str
+    how: str
+    cost: str
+    changes_numerics: bool
+    check: Callable[[Case], Finding | None]
+
+
+CATALOGUE: list[Rule] = []
+
+
+def rule(
+    id: str, title: str, why: str, how: str, cost: str, changes_numerics: bool = False
+) -> Callable[[Callable[[Case], Finding | None]], Callable[[Case], Finding | None]]:
+    """Register a check in the catalogue with its fixed text."""
+    if cost not in COSTS:
+        raise ValueError(f"rule {id}: cost must be one of {COSTS}, not {cost!r}")
+
+    def register(check: Callable[[Case], Finding | None]) -> Callable[[Case], Finding | None]:
+        CATALOGUE.append(Rule(id, title, why, how, cost, changes_numerics, check))
+        return check
+
+    return register
+
+
+def pct(share: float) -> str:
+    return f"{100 * share:.0f}%"
+
+
+def _at(hits: list[LintHit]) -> list[str]:
+    return [f"line {h.line}: {h.text}" for h in hits[:3]]
+
+
+def _compute_bound(case: Case) -> float:
+    return case.share("forward", "backward")
+
+
+# -- loader ------------------------------------------------------------------------------------------------------
+
+
+@rule(
+    "loader.num_workers",
+    "Load batches in worker processes",
+    "With num_workers=0 every batch is read, decoded and collated in the training process, between steps: "
+    "the model waits for each one.",
+    "DataLoader(..., num_workers=N, persistent_workers=True) with N up to the cores you can spare per rank.",
+    "config",
+)
+def _loader_workers(case: Case) -> Finding | None:
+    loaders = [x for x in case.summary.loaders if x.num_workers == 0 and x.batches > 0]
+    data = case.share("data_wait")
+    if not loaders or not case.measured or data < MIN_DATA_SHARE:
+        return None
+    cores = case.facts.get("threads", {}).get("cores")
+    world = case.summary.meta.world_size or 1
+    hint = None
+    if cores:
+        workers = max(1, min(8, cores // world - 1))
+        hint = f"DataLoader(..., num_workers={workers}, persistent_workers=True) ({cores} cores, {world} rank(s))"
+    loader = loaders[0]
+    evidence = [
+        f"loader {loader.index} ({loader.dataset}) has num_workers=0",
+        f"data_wait is {pct(data)} of the step ({case.ms('data_wait'):.1f} ms of {case.ms(TOTAL):.1f} ms)",
+        *_at(case.lines("num_workers_zero")),
+    ]
+    return Finding(evidence, data, "at most the time spent waiting for data", how=hint)
+
+
+@rule(
+    "loader.persistent_workers",
+    "Keep the loader's workers alive between epochs",
+    "Without persistent_workers every epoch starts new worker processes, which re-import and re-build the "
+    "dataset before the first batch arrives: a stall at each epoch start.",
+    "DataLoader(..., persistent_workers=True)",
+    "config",
+)
+def _persistent_workers(case: Case) -> Finding | None:
+    loaders = {x.index: x for x in case.summary.loaders if x.num_workers > 0 and not x.persistent_workers}
+    epochs = [e for e in case.summary.epochs if e.loader in loaders and e.start_stall_ms is not None]
+    later = [e for e in epochs if e.index > 0]  # the first start is paid once either way
+    if not later:
+        return None
+    stall_s = sum(e.start_stall_ms for e in later) / 1000  # type: ignore[misc]
+    time_s = sum(e.time_s for e in epochs)
+    share = stall_s / time_s if time_s > 0 else 0.0
+    if share < MIN_STALL_SHARE:
+        return None
+    mean_ms = 1000 * stall_s / len(later)
+    evidence = [
+        f"{len(later)} epoch restart(s) stalled {mean_ms:.0f} ms each before the first batch",
+        f"the stalls are {pct(share)} of the time spent in those epochs",
+    ]
+    return Finding(evidence, share, "at most the epoch-start stalls")
+
+
+@rule(
+    "loader.pin_memory",
+    "Pin the loader's host memory",
+    "A copy to the GPU from pageable memory goes through a staging buffer and blocks the host; from pinned memory "
+    "it is a direct DMA that can overlap with compute.",
+    "DataLoader(..., pin_memory=True) and batch.to('cuda', non_blocking=True)",
+    "config",
+)
+def _pin_memory(case: Case) -> Finding | None:
+    h2d = case.facts.get("h2d", {})
+    unpinned = [x for x in case.summary.loaders if not x.pin_memory and x.batches > 0]
+    if not h2d.get("to_cuda") or not unpinned or h2d.get("pinned_source", 0) > 0:
+        return None
+    share = case.share("h2d")
+    evidence = [
+        f"loader {unpinned[0].index} has pin_memory=False and its batches are copied to the GPU",
+        f"h2d is {pct(share)} of the step" + ("" if case.ms("h2d") is None else f" ({case.ms('h2d'):.2f} ms)"),
+    ]
+    if h2d.get("non_blocking"):
+        evidence.append("the copies ask for non_blocking=True, which pageable memory cannot honour")
+    return Finding(evidence, share, "at most the time in host-to-device copies")
+
+
+@rule(
+    "h2d.non_blocking",
+    "Copy pinned batches with non_blocking=True",
+    "Pinned memory only pays off with an asynchronous copy: a blocking .to('cuda') waits for the transfer before "
+    "the host launches the forward pass.",
+    "batch = batch.to('cuda', non_blocking=True)",
+    "code",
+)
+def _non_blocking(case: Case) -> Finding | None:
+    h2d = case.facts.get("h2d", {})
+    pinned = [x for x in case.summary.loaders if x.pin_memory and x.batches > 0]
+    if not h2d.get("to_cuda") or not pinned or h2d.get("non_blocking"):
+        return None
+    share = case.share("h2d")
+    evidence = [
+        f"loader {pinned[0].index} pins memory, but {h2d['to_cuda']} copies to the GPU were blocking",
+        f"h2d is {pct(share)} of the step",
+    ]
+    return Finding(evidence, share, "at most the time in host-to-device copies")
+
+
+@rule(
+    "loader.prefetch",
+    "Prefetch deeper: the fetch times are bursty",
+    "Most batches come straight from the prefetch buffer while some block on a worker: the buffer runs dry when "
+    "a few slow batches arrive together. A deeper buffer (or more workers) absorbs the bursts.",
+    "DataLoader(..., prefetch_factor=4) (default 2), or more workers",
+    "config",
+)
+def _prefetch(case: Case) -> Finding | None:
+    stats = case.summary.phases.get("data_wait")
+    loaders = [x for x in case.summary.loaders if x.num_workers > 0 and x.batches > 0]
+    data = case.share("data_wait")
+    if stats is None or not loaders or data < MIN_DATA_SHARE:
+        return None
+    bimodal = stats.median_ms < BURSTY_MEDIAN * stats.mean_ms and stats.p95_ms > BURSTY_P95 * max(stats.median_ms, 0.05)
+    if not bimodal:
+        return None
+    factor = loaders[0].prefetch_factor or 2
+    evidence = [
+        f"data_wait median {stats.median_ms:.2f} ms but mean {stats.mean_ms:.1f} ms and p95 {stats.p95_ms:.1f} ms",
+        f"loader {loaders[0].index}: {loaders[0].num_workers} workers, prefetch_factor={factor}",
+    ]
+    how = f"DataLoader(..., prefetch_factor={max(4, 2 * factor)}) or more workers"
+    return Finding(evidence, data, "at most the time spent waiting for data", how=how)
+
+
+@rule(
+    "loader.too_many_workers",
+    "Use no more loader workers than cores",
+    "Workers beyond the cores this process may use (affinity, cgroup quota) only time-share the same CPUs, "
+    "and each holds its own copy of the dataset's memory.",
+    "DataLoader(..., num_workers=N) with N × ranks per machine ≤ usable cores",
+    "config",
+)
+def _too_many_workers(case: Case) -> Finding | None:
+    threads = case.facts.get("threads", {})
+    cores = threads.get("cpu_quota") or threads.get("cores")
+    if not cores:
+        return None
+    world = case.summary.meta.world_size or 1
+    busy = [x for x in case.summary.loaders if x.num_workers * world > cores]
+    if not busy:
+        return None
+    loader = busy[0]
+    limit = "cgroup quota" if threads.get("cpu_quota") else "usable cores"
+    evidence = [f"loader {loader.index}: {loader.num_workers} workers × {world} rank(s) for {cores:g} {limit}"]
+    return Finding(evidence, None, "oversubscription costs depend on the scheduler: not measurable from shares")
+
+
+@rule(
+    "loader.transform_bound",
+    "Take work off the loader's CPUs",
+    "The workers' CPUs are saturated: decoding and augmentation, not storage, limit the input pipeline, so more "
+    "workers than cores cannot help.",
+    "Cache decoded/pre-processed samples, move augmentation to the GPU (e.g. batched tensor ops), or use a "
+    "cheaper decoder",
+    "code",
+)
+def _transform_bound(case: Case) -> Finding | None:
+    evidence = case.signals().get("transform_bound")
+    data = case.share("data_wait")
+    if evidence is None or data < MIN_DATA_SHARE:
+        return None
+    return Finding([evidence, f"data_wait is {pct(data)} of the step"], data, "at most the time waiting for data")
+
+
+@rule(
+    "loader.io_bound",
+    "The input pipeline waits on storage",
+    "Neither the GPU nor the loader's CPUs are busy while the model waits for data: reads from disk or network "
+    "are the limit.",
+    "Stage the data on local NVMe, pack it into larger shards (WebDataset, tar, Arrow), or add I/O parallelism",
+    "infra",
+)
+def _io_bound(case: Case) -> Finding | None:
+    evidence = case.signals().get("io_bound")
+    data = case.share("data_wait")
+    if evidence is None or data < MIN_DATA_SHARE:
+        return None
+    return Finding([evidence, f"data_wait is {pct(data)} of the step"], data, "at most the time waiting for data")
+
+
+# -- free knobs ------------------------------------------------------------------------------------------------
+
+
+def _capability(case: Case) -> tuple[int, int] | None:
+    device = case.facts.get("device")
+    return None if device is None else tuple(device["capability"])  # type: ignore[return-value]
+
+
+def _fp32_model(case: Case) -> bool:
+    models = case.models()
+    return bool(models) and all(set(m.get("dtypes", {})) <= {"float32"} for m in models)
+
+
+@rule(
+    "tf32",
+    "Allow TF32 for float32 matmuls",
+    "On Ampere and newer GPUs, float32 matmuls and convolutions can run on tensor cores in TF32 (10-bit mantissa) "
+    "at several times the speed; PyTorch keeps full float32 for matmuls unless asked.",
+    'torch.set_float32_matmul_precision("high")  (and torch.backends.cudnn.allow_tf32 = True, the default)',
+    "config",
+    changes_numerics=True,
+)
+def _tf32(case: Case) -> Finding | None:
+    capability = _capability(case)
+    if capability is None or capability < AMPERE or case.autocast() is not False or not _fp32_model(case):
+        return None
+    if case.torch_flag("matmul_precision") != "highest" or case.torch_flag("cuda_matmul_tf32"):
+        return None
+    share = _compute_bound(case)
+    evidence = [
+        f"GPU compute capability {capability[0]}.{capability[1]}, float32 parameters, no autocast",
+        'float32 matmul precision is "highest" (TF32 off)',
+        *_at(case.lines("tf32_off")),
+    ]
+    return Finding(evidence, share, "at most the forward and backward time")
+
+
+@rule(
+    "cudnn.benchmark",
+    "Let cuDNN pick the fastest convolution algorithms",
+    "With fixed input shapes, cudnn.benchmark times the candidate algorithms once per shape and keeps the fastest; "
+    "without it cuDNN uses a heuristic choice.",
+    "torch.backends.cudnn.benchmark = True",
+    "config",
+)
+def _cudnn_benchmark(case: Case) -> Finding | None:
+    convs = sum(m.get("convs", 0) for m in case.models())
+    shapes = case.facts.get("inputs", [])
+    if not case.cuda or not convs or case.torch_flag("cudnn_benchmark") is not False or len(shapes) != 1:
+        return None
+    evidence = [
+        f"{convs} convolution layer(s), one input shape {shapes[0]['shape']} in the probed steps",
+        "torch.backends.cudnn.benchmark is False",
+    ]
+    return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
+
+
+@rule(
+    "cudnn.benchmark_varying",
+    "Turn cudnn.benchmark off: the input shapes vary",
+    "cudnn.benchmark re-times every convolution algorithm for each new input shape; with shapes that keep changing "
+    "the autotuning runs again and again inside the training steps.",
+    "torch.backends.cudnn.benchmark = False (or pad/bucket inputs to a few fixed shapes)",
+    "config",
+)
+def _cudnn_varying(case: Case) -> Finding | None:
+    convs = sum(m.get("convs", 0) for m in case.models())
+    shapes = case.facts.get("inputs", [])
+    if not case.cuda or not convs or case.torch_flag("cudnn_benchmark") is not True or len(shapes) < 2:
+        return None
+    seen = ", ".join(str(s["shape"]) for s in shapes[:3])
+    evidence = [f"{len(shapes)} input shapes in the probed steps ({seen})", *_at(case.lines("cudnn_benchmark_on"))]
+    return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
+
+
+@rule(
+    "channels_last",
+    "Use channels_last for the conv net under mixed precision",
+    "Tensor-core convolution kernels want NHWC; with NCHW tensors cuDNN inserts a transpose around every convolution.",
+    "model = model.to(memory_format=torch.channels_last); x = x.to('cuda', memory_format=torch.channels_last)",
+    "code",
+)
+def _channels_last(case: Case) -> Finding | None:
+    convs = sum(m.get("convs", 0) for m in case.models())
+    inputs = [s for s in case.facts.get("inputs", []) if "channels_last" in s]
+    if not case.cuda or not convs or not case.autocast() or not inputs or any(s["channels_last"] for s in inputs):
+        return None
+    evidence = [f"{convs} convolution layer(s) under autocast {case.facts['autocast']}", "4-D inputs are NCHW"]
+    return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
+
+
+@rule(
+    "zero_grad.set_to_none",
+    "Drop gradients instead of zeroing them",
+    "zero_grad(set_to_none=False) writes zeros into every gradient each step (one kernel or memset per "
+    "parameter) and the next backward then adds into them, instead of writing them fresh.",
+    "optimizer.zero_grad()  (set_to_none=True is the default)",
+    "config",
+)
+def _set_to_none(case: Case) -> Finding | None:
+    if case.facts.get("zero_grad", {}).get("set_to_none") is not False:
+        return None
+    share = case.share("zero_grad")
+    evidence = ["zero_grad was called with set_to_none=False", *_at(case.lines("zero_grad_keep"))]
+    if case.ms("zero_grad") is not None:
+        evidence.append(f"zero_grad takes {case.ms('zero_grad'):.2f} ms per step ({pct(share)})")
+    return Finding(evidence, share, "at most the zero_grad time (the backward's accumulation is not timed apart)")
+
+
+@rule(
+    "debug.anomaly",
+    "Turn off autograd anomaly detection",
+    "Anomaly mode records a Python stack trace for every autograd node in forward and checks every backward "
+    "output for NaN: a debugging tool that slows both passes several times.",
+    "remove torch.autograd.set_detect_anomaly(True) / detect_anomaly() from training runs",
+    "config",
+)
+def _anomaly(case: Case) -> Finding | None:
+    runtime = case.torch_flag("anomaly")
+    hits = case.lines("anomaly")
+    if runtime is False or (runtime is None and not hits):
+        return None
+    evidence = ["anomaly detection was on during the measured steps" if runtime else "the script enables it"]
+    evidence += _at(hits)
+    share = _compute_bound(case) if case.measured else None
+    return Finding(evidence, share, "at most the forward and backward time" if share is not None else "no steps")
+
+
+@rule(
+    "debug.profiler",
+    "Stop the profiler that runs during training",
+    "An autograd profiler left running records every operator call, which costs host time on each one.",
+    "profile only a few steps (torch.profiler.schedule), or remove the profiler from the training run",
+    "config",
+)
+def _profiler(case: Case) -> Finding | None:
+    if not case.torch_flag("profiler"):
+        return None
+    evidence = ["a torch profiler was recording during the measured steps", *_at(case.lines("profiler"))]
+    return Finding(evidence, None, "its cost is spread over every operator; no phase share isolates it")
+
+
+@rule(
+    "debug.gradcheck",
+    "Keep gradcheck out of the training script",
+    "gradcheck evaluates the function many times in float64 with finite differences: a test, not training.",
+    "move gradcheck/gradgradcheck calls into the test suite",
+    "code",
+)
+def _gradcheck(case: Case) -> Finding | None:
+    hits = case.lines("gradcheck")
+    if not hits:
+        return None
+    return Finding(_at(hits), None, "its cost depends on where it runs; not timed as a phase")
+
+
+@rule(
+    "debug.deterministic",
+    "Allow non-deterministic kernels",
+    "Deterministic mode forbids the fastest kernels for some operations (scatter/index_add, some convolution "
+    "algorithms): runs become bit-reproducible at the price of speed.",
+    "torch.use_deterministic_algorithms(False) and torch.backends.cudnn.deterministic = False outside "
+    "reproducibility runs",
+    "config",
+    changes_numerics=True,
+)
+def _deterministic(case: Case) -> Finding | None:
+    on = [n for n in ("deterministic_algorithms", "cudnn_deterministic") if case.torch_flag(n)]
+    if not case.cuda or not on:
+        return None
+    evidence = [f"{' and '.join(on)} on", *_at(case.lines("deterministic"))]
+    return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
+
+
+# -- precision and kernels -------------------------------------------------------------------------------------
+
+
+@rule(
+    "precision.bf16",
+    "Train in bfloat16 mixed precision",
+    "This GPU runs bfloat16 matmuls on tensor cores at many times its float32 rate and halves activation "
+    "memory; bfloat16 needs no loss scaling.",
+    "with torch.autocast('cuda', dtype=torch.bfloat16): loss = model(x) ...",
+    "code",
+    changes_numerics=True,
+)
+def _bf16(case: Case) -> Finding | None:
+    device = case.facts.get("device")
+    if device is None or not device.get("bf16") or case.autocast() is not False or not _fp32_model(case):
+        return None
+    evidence = [f"{device['name']} supports bfloat16; the model trains in float32 with no autocast"]
+    return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
+
+
+@rule(
+    "sdpa.math",
+    "Give attention inputs a fused kernel",
+    "scaled_dot_product_attention falls back to its math kernel (materialising the full attention matrix) when no "
+    "fused kernel (flash, memory-efficient, cuDNN) accepts the inputs: float32 inputs, an unsupported mask or "
+    "head dimension.",
+    "run attention in bf16/fp16 (autocast), use is_causal=True instead of a dense causal mask, keep head_dim a "
+    "multiple of 8 and ≤ 256",
+    "code",
+)
+def _sdpa(case: Case) -> Finding | None:
+    slow = [c for c in case.facts.get("sdpa", []) if not (c["flash"] or c["efficient"] or c["cudnn"])]
+    if not slow:
+        return None
+    call = slow[0]
+    reasons = []
+    if call["dtype"] == "float32":
+        reasons.append("float32 inputs")
+    if call["mask"]:
+        reasons.append("an explicit attention mask")
+    if call["head_dim"] % 8 or call["head_dim"] > 256:
+        reasons.append(f"head_dim {call['head_dim']}")
+    evidence = [f"no fused attention kernel accepts the inputs ({', '.join(reasons) or 'see SDPA debug warnings'})"]
+    return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
+
+
+@rule(
+    "compile.recompile_limit",
+    "torch.compile gave up recompiling a function",
+    "A compiled function that keeps recompiling (changing shapes, Python values, dtypes) hits the recompile "
+    "limit; from then on it runs eagerly, uncompiled.",
+    'find the cause with TORCH_LOGS="recompiles"; mark dynamic dimensions (torch._dynamo.mark_dynamic) or '
+    "compile with dynamic=True",
+    "code",
+)
+def _recompile_limit(case: Case) -> Finding | None:
+    hits = case.facts.get("dynamo", {}).get("recompile_limit_hits", 0)
+    if not hits:
+        return None
+    return Finding([f"{hits} function(s) hit the recompile limit"], None, "the eager fallback is not timed apart")
+
+
+@rule(
+    "compile.graph_breaks",
+    "Remove torch.compile's graph breaks",
+    "Each graph break splits the compiled region: Python runs between the pieces and fusion stops at the boundaries.",
+    'list them with TORCH_LOGS="graph_breaks" and rewrite the breaking code (prints, .item(), data-dependent '
+    "control flow)",
+    "code",
+)
+def _graph_breaks(case: Case) -> Finding | None:
+    breaks = case.facts.get("dynamo", {}).get("graph_breaks", {})
+    if not breaks:
+        return None
+    top = sorted(breaks.items(), key=lambda item: -item[1])[:3]
+    evidence = [f"{sum(breaks.values())} graph break(s)", *[f"{n}× {reason}" for reason, n in top]]
+    return Finding(evidence, None, "the cost of a break depends on what it splits; not timed apart")
+
+
+# -- memory and speed -----------------------------------------------------------------------------------------
+
+
+def _memory_use(case: Case) -> float | None:
+    device = case.facts.get("device")
+    if device is None or not device.get("total_mb"):
+        return None
+    return device["peak_allocated_mb"] / device["total_mb"]
+
+
+@rule(
+    "memory.checkpointing",
+    "Checkpoint fewer activations: memory is to spare",
+    "Activation checkpointing recomputes the checkpointed forward during backward to save memory; with memory "
+    "left over, that recomputation is time spent for nothing.",
+    "checkpoint fewer layers (or none) until peak memory nears the device's capacity",
+    "code",
+)
+def _checkpointing(case: Case) -> Finding | None:
+    calls = case.summary.counters.get("checkpoint_calls", 0)
+    used = _memory_use(case)
+    if not calls or used is None or used >= HEADROOM:
+        return None
+    evidence = [f"{calls:.0f} checkpointed region(s) per step", f"peak memory is {pct(used)} of the device"]
+    share = case.share("forward")
+    return Finding(evidence, share, "at most one forward pass of recomputation")
+
+
+@rule(
+    "memory.batch_size",
+    "Use the free memory for a larger micro-batch",
+    "Peak memory is far below the device's capacity: a larger micro-batch (or fewer accumulation steps) gives "
+    "the GPU bigger kernels per launch. It changes the optimisation (tune the learning rate with it).",
+    "raise the per-device batch size until peak memory is ~80% of the device",
+    "config",
+    changes_numerics=True,
+)
+def _batch_size(case: Case) -> Finding | None:
+    used = _memory_use(case)
+    if used is None or used >= HEADROOM / 2 or case.share("data_wait") >= 0.3:
+        return None
+    evidence = [f"peak memory is {pct(used)} of the device"]
+    return Finding(evidence, None, "the speed-up of a larger batch depends on kernel efficiency: measure it (ab)")
+
+
+@rule(
+    "memory.alloc_retries",
+    "Stop the CUDA allocator from flushing its cache",
+    "When the caching allocator cannot find a free block it frees its whole cache and retries, synchronising "
+    "the device: fragmentation or memory pressure.",
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a smaller batch",
+    "config",
+)
+def _alloc_retries(case: Case) -> Finding | None:
+    retries = case.facts.get("device", {}).get("alloc_retries", 0)
+    if not retries:
+        return None
+    return Finding([f"{retries} allocator retries (cache flushes)"], None, "the flushes are not timed apart")
+
+
+# -- host ---------------------------------------------------------------------------------------------------------
+
+
+@rule(
+    "host.sync",
+    "Stop reading GPU values every step",
+    "Each .item(), .cpu() or print of a CUDA tensor waits until the GPU has finished all queued work, so the "
+    "host cannot queue the next kernels ahead: the GPU idles while Python catches up.",
+    "accumulate metrics on the GPU and read them every N steps (or log the tensor and read it later)",
+    "code",
+)
+def _host_sync(case: Case) -> Finding | None:
+    syncs = case.summary.counters.get("host_syncs", 0.0)
+    items = case.summary.counters.get("item_calls", 0.0)
+    hits = case.lines("loop_sync")
+    if case.cuda:
+        if syncs < 1:
+            return None
+        share = case.groups.get("host", 0.0)
+        evidence = [f"{syncs:.1f} host-device syncs per step", f"the GPU had no work for {pct(share)} of the step"]
+        return Finding(evidence + _at(hits), share, "at most the time the GPU had no work outside data waits")
+    if items < 1 or not hits:
+        return None
+    # On the CPU a scalar read waits for nothing; it is listed because the same code stalls a GPU every step.
+    share = case.share("sync")
+    evidence = [f"{items:.1f} .item()/.tolist() calls per step in the script", *_at(hits)]
+    return Finding(evidence, share, "on this CPU run a scalar read waits for no device; on a GPU it stalls each step")
+
+
+@rule(
+    "host.launch_bound",
+    "Cut Python and launch overhead between kernels",
+    "The GPU is idle for much of the step outside data waits: the host cannot launch kernels as fast as the GPU "
+    "runs them (many small ops, Python between them).",
+    "torch.compile(model) to fuse small ops, CUDA graphs (torch.compile(mode='reduce-overhead')), or larger "
+    "batches per launch",
+    "code",
+)
+def _launch_bound(case: Case) -> Finding | None:
+    if case.summary.meta.timing != "cuda" or not case.measured:
+        return None
+    share = case.groups.get("host", 0.0)
+    signal = case.signals().get("launch_bound")
+    if share < MIN_HOST_SHARE and signal is None:
+        return None
+    evidence = [f"the GPU had no work for {pct(share)} of the step outside data waits"]
+    if signal:
+        evidence.append(signal)
+    return Finding(evidence, share, "at most the time the GPU had no work")
+
+
+@rule(
+    "host.threads",
+    "Use no more CPU threads than cores",
+    "More intra-op threads than the cores this process may use (cgroup quota, affinity) make the threads "
+    "preempt each other: CPU ops get slower, not faster.",
+    "torch.set_num_threads(N) or OMP_NUM_THREADS=N with N ≤ usable cores ÷ ranks per machine",
+    "config",
+)
+def _threads(case: Case) -> Finding | None:
+    threads = case.facts.get("threads")
+    if not threads:
+        return None
+    quota = threads.get("cpu_quota")
+    limit = quota if quota else threads.get("cores")
+    local = case.summary.meta.world_size or 1
+    used = threads["torch_threads"] * local
+    if not limit or used <= max(limit, 1) + 0.5:
+        return None
+    what = f"cgroup quota of {quota:g} cores" if quota else f"{limit} usable cores"
+    evidence = [f"{threads['torch_threads']} torch threads × {local} rank(s) for a {what}"]
+    env = threads.get("env", {})
+    if env:
+        evidence.append("set in the environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    how = f"torch.set_num_threads({max(1, int(limit // local))}) (or OMP_NUM_THREADS)"
+    return Finding(evidence, None, "oversubscription costs depend on the scheduler", how=how)
+
+
+# -- distributed and optimizer ---------------------------------------------------------------------------------
+
+
+def _ddp(case: Case) -> dict[str, Any] | None:
+    return next((m["ddp"] for m in case.models() if "ddp" in m), None)
+
+
+@rule(
+    "ddp.find_unused_parameters",
+    "Turn off find_unused_parameters: every parameter gets a gradient",
+    "With find_unused_parameters=True, DDP traverses the autograd graph after every forward to find parameters "
+    "that will get no gradient; the audit found none.",
+    "DistributedDataParallel(model, ..., find_unused_parameters=False)",
+    "config",
+)
+def _find_unused(case: Case) -> Finding | None:
+    ddp = _ddp(case)
+    audits = case.summary.params
+    if ddp is None or not ddp["find_unused_parameters"] or not audits:
+        return None
+    if any(a.get("unused") or a.get("conditional") for a in audits):
+        return None
+    evidence = [
+        "find_unused_parameters=True",
+        f"the parameter audit over {audits[0].get('steps', 1)} backward pass(es) found no parameter without a gradient",
+        *_at(case.lines("find_unused_parameters")),
+    ]
+    return Finding(evidence, case.share("forward"), "at most the forward time (the graph walk ends the forward)")
+
+
+@rule(
+    "ddp.gradient_as_bucket_view",
+    "Let gradients live in DDP's communication buckets",
+    "By default DDP copies every gradient into its all-reduce buckets and back; gradient_as_bucket_view=True "
+    "makes the gradients views of the buckets, saving the copies and their memory.",
+    "DistributedDataParallel(model, ..., gradient_as_bucket_view=True)",
+    "config",
+)
+def _bucket_view(case: Case) -> Finding | None:
+    ddp = _ddp(case)
+    if ddp is None or ddp["gradient_as_bucket_view"]:
+        return None
+    evidence = [f"gradient_as_bucket_view=False (bucket_cap_mb={ddp['bucket_cap_mb']:g})"]
+    return Finding(evidence, case.share("backward"), "at most the backward time, where the copies happen")
+
+
+@rule(
+    "fsdp.prefetch",
+    "Prefetch FSDP's parameter all-gathers",
+    "Without prefetching, FSDP gathers each unit's parameters only when it is needed, so communication and "
+    "compute alternate instead of overlapping.",
+    "FSDP(model, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True)",
+    "config",
+)
+def _fsdp_prefetch(case: Case) -> Finding | None:
+    fsdp = next((m["fsdp"] for m in case.models() if "fsdp" in m), None)
+    if fsdp is None or (fsdp["backward_prefetch"] and fsdp["forward_prefetch"]):
+        return None
+    evidence = [f"backward_prefetch={fsdp['backward_prefetch']}, forward_prefetch={fsdp['forward_prefetch']}"]
+    return Finding(evidence, case.share("forward", "backward"), "at most the forward and backward time")
+
+
+@rule(
+    "fsdp.full_shard_fits",
+    "Shard less: one replica fits on a GPU",
+    "Full sharding (ZeRO-3) all-gathers the parameters in every forward and backward; when parameters, "
+    "gradients and optimizer states fit on one device, ZeRO-2 (SHARD_GRAD_OP) or DDP skip those gathers.",
+    "FSDP(model, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP), or DDP",
+    "config",
+)
+def _full_shard_fits(case: Case) -> Finding | None:
+    fsdp = next((m for m in case.models() if "fsdp" in m), None)
+    device = case.facts.get("device")
+    if fsdp is None or device is None or fsdp["fsdp"]["sharding_strategy"] != "FULL_SHARD":
+        return None
+    world = case.summary.meta.world_size or 1
+    replica_mb = fsdp["param_mb"] * world * ADAM_BYTES_PER_PARAM_BYTE  # param_mb is this rank's shard
+    if replica_mb > ZERO3_FITS * device["total_mb"]:
+        return None
+    evidence = [f"an unsharded replica needs ~{replica_mb / 1024:.1f} GiB of {device['total_mb'] / 1024:.0f} GiB"]
+    return Finding(evidence, case.share("forward", "backward"), "at most the forward and backward time")
+
+
+@rule(
+    "optimizer.fused",
+    "Use the fused optimizer kernel",
+    "The default optimizer step on CPU tensors loops over parameters in Python, launching several small ops for "
+    "each; the fused kernel updates all of them in one pass.",
+    "torch.optim.AdamW(params, ..., fused=True)",
+    "config",
+)
+def _fused(case: Case) -> Finding | None:
+    candidates = [o for o in case.facts.get("optimizers", []) if o["has_fused"] and not o["fused"]]
+    share = case.share("optimizer")
+    if not candidates or not case.measured:
+        return None
+    opt = candidates[0]
+    how = f"torch.optim.{opt['type']}(params, ..., fused=True)"
+    mode = "foreach" if opt["foreach"] else "per-parameter loop" if opt["device"] == "cpu" else "default"
+    evidence = [
+        f"{opt['type']} over {opt['params']} parameter tensors on {opt['device']}, {mode} implementation",
+        f"optimizer.step is {pct(share)} of the step ({case.ms('optimizer') or 0:.2f} ms)",
+    ]
+    return Finding(evidence, share, "at most the optimizer step's time", how=how)
+
+
+@rule(
+    "optimizer.foreach",
+    "Use the foreach optimizer implementation",
+    "Without foreach the optimizer updates parameters one by one in Python; foreach batches the math over all "
+    "parameters in a few multi-tensor ops.",
+    "torch.optim.<Optimizer>(params, ..., foreach=True)",
+    "config",
+)
+def _foreach(case: Case) -> Finding | None:
+    def loops(o: dict[str, Any]) -> bool:  # foreach off, or left to the default, which loops on CPU tensors
+        return o["foreach"] is False or (o["foreach"] is None and o["device"] == "cpu")
+
+    candidates = [o for o in case.facts.get("optimizers", []) if o["has_foreach"] and not o["has_fused"] and loops(o)]
+    if not candidates or not case.measured:
+        return None
+    opt = candidates[0]
+    share = case.share("optimizer")
+    evidence = [f"{opt['type']} over {opt['params']} parameter tensors runs its per-parameter loop"]
+    how = f"torch.optim.{opt['type']}(..., foreach=True)"
+    return Finding(evidence, share, "at most the optimizer step's time", how=how)
+
+
+# -- measurement hygiene ---------------------------------------------------------------------------------------
+
+
+@rule(
+    "hygiene.compile_in_window",
+    "Measure after torch.compile has finished compiling",
+    "Graphs were compiled during the measured steps, so the step times include compilation: the figures "
+    "overstate the steady-state step.",
+    "stepscope doctor --warmup N with N past the last compilation (or precompile with example inputs)",
+    "config",
+)
+def _compile_in_window(case: Case) -> Finding | None:
+    graphs = case.facts.get("dynamo", {}).get("graphs_in_window")
+    if not graphs:
+        return None
+    total = case.summary.phases.get(TOTAL)
+    evidence = [f"{graphs} graph(s) compiled during the measured steps"]
+    if total is not None:
+        evidence.append(f"step time p95 {total.p95_ms:.1f} ms against a median of {total.median_ms:.1f} ms")
+    return Finding(evidence, None, "a measurement fix: it changes the figures, not the training")
+
+
+@rule(
+    "hygiene.warmup",
+    "Skip more warm-up steps before measuring",
+    "The first steps pay for allocator growth, cuDNN autotuning and lazy initialisation; measured with too little "
+    "warm-up they inflate the mean.",
+    "stepscope doctor --warmup 20 (or more)",
+    "config",
+)
+def _warmup(case: Case) -> Finding | None:
+    total = case.summary.phases.get(TOTAL)
+    if total is None or case.summary.steps.warmup >= 5 or total.p95_ms < 3 * total.median_ms:
+        return None
+    evidence = [
+        f"only {case.summary.steps.warmup} warm-up step(s)",
+        f"step time p95 {total.p95_ms:.1f} ms against a median of {total.median_ms:.1f} ms",
+    ]
+    return Finding(evidence, None, "a measurement fix: it changes the figures, not the training")
+
+
+# -- ranking --------------------------------------------------------------------------------------------------
+
+
+def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
+    """Every fix whose rule applies, ranked: cheapest cost first, then the largest gain bound (unbounded last).
+    Returns the fixes and a note for each rule that failed on unexpected facts (the others still run)."""
+    fixes: list[Fix] = []
+    notes: list[str] = []
+    for entry in CATALOGUE:
+        try:
+            finding = entry.check(case)
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as error:
+            notes.append(f"rule {entry.id} could not read the facts ({type(error).__name__}: {error})")
+            continue
+        if finding is None:
+            continue
+        bound = None if finding.gain_bound is None else round(max(0.0, min(1.0, finding.gain_bound)), 4)
+        fixes.append(
+            Fix(
+                id=entry.id,
+                title=entry.title,
+                why=entry.why,
+                evidence=finding.evidence,
+                how=finding.how or entry.how,
+                cost=entry.cost,
+                gain_bound=bound,
+                gain_reason=finding.gain_reason,
+                changes_numerics=entry.changes_numerics,
+            )
+        )
+    fixes.sort(key=lambda f: (COSTS.index(f.cost), f.gain_bound is None, -(f.gain_bound or 0.0)))
+    return fixes, notes
+
+
+def catalogue_markdown() -> str:
+    """docs/fixes.md: every fix id with its mechanism, change, cost and numerics, from the catalogue."""
+    lines = [
+        "# Fix catalogue",
+        "",
+        "Generated from `stepscope/doctor/rules.py` (`python -m stepscope.doctor.rules > docs/fixes.md`); do not edit",
+        "by hand. `stepscope doctor` ranks the fixes that apply by cost (`config` < `code` < `infra`), then by",
+        "`gain_bound`: an upper bound on the step-time saving from the measured shares (Amdahl) or a measured",
+        "ceiling. A rule whose facts were not measured stays silent.",
+        "",
+        "| id | fix | cost | changes numerics |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{r.id}` | {r.title} | {r.cost} | {'yes' if r.changes_numerics else 'no'} |" for r in CATALOGUE]
+    for r in CATALOGUE:
+        numerics = " **Changes numerics.**" if r.changes_numerics else ""
+        lines += [
+            "",
+            f"## `{r.id}`: {r.title}",
+            "",
+            f"**Why.** {r.why}",
+            "",
+            f"**How.** {r.how}",
+            "",
+            f"**Cost:** {r.cost}.{numerics}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(catalogue_markdown(), end="")
