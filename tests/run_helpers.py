@@ -34,9 +34,11 @@ def run_env(extra: dict[str, str] | None = None, pythonpath: tuple[str, ...] = (
     return env
 
 
-def stepscope_cmd(json_path: Path | None, *args: str, warmup: int | None = 3, steps: int | None = 20) -> list[str]:
-    """``python -m stepscope.cli run [--warmup W] [--steps S] [--json PATH] ARGS...``."""
-    cmd = [sys.executable, "-m", "stepscope.cli", "run"]
+def stepscope_cmd(
+    json_path: Path | None, *args: str, warmup: int | None = 3, steps: int | None = 20, verb: str = "run"
+) -> list[str]:
+    """``python -m stepscope.cli VERB [--warmup W] [--steps S] [--json PATH] ARGS...`` (VERB: run or doctor)."""
+    cmd = [sys.executable, "-m", "stepscope.cli", verb]
     if warmup is not None:
         cmd += ["--warmup", str(warmup)]
     if steps is not None:
@@ -80,11 +82,12 @@ def stepscope_run(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     pythonpath: tuple[str, ...] = (),
+    verb: str = "run",
 ) -> RunResult:
-    """Run ``stepscope run`` to completion with ``--json tmp_path/s.json``."""
+    """Run ``stepscope run`` (or ``doctor``) to completion with ``--json tmp_path/s.json``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     json_path = tmp_path / "s.json"
-    cmd = stepscope_cmd(json_path, *args, warmup=warmup, steps=steps)
+    cmd = stepscope_cmd(json_path, *args, warmup=warmup, steps=steps, verb=verb)
     proc = subprocess.run(
         cmd,
         cwd=cwd or tmp_path,

@@ -26,6 +26,8 @@ from stepscope.summary import COSTS, Fix, RunSummary
 
 # Thresholds, as fractions of the measured step unless said otherwise.
 MIN_DATA_SHARE = 0.05  # data_wait below this: loader fixes cannot gain enough to be worth listing
+MIN_GAIN = 0.02  # a fix bounded by a phase share below this is noise next to the rest of the step
+MIN_COPY_SHARE = 0.01  # host-to-device copies: small shares still block the launch queue on a GPU
 MIN_STALL_SHARE = 0.02  # epoch-start stalls below this share of epoch time are not worth a fix
 BURSTY_MEDIAN = 0.2  # median fetch below this fraction of the mean ...
 BURSTY_P95 = 4.0  # ... and p95 above this multiple of the median: bimodal (buffer hits vs blocking on workers)
@@ -215,9 +217,9 @@ def _persistent_workers(case: Case) -> Finding | None:
 def _pin_memory(case: Case) -> Finding | None:
     h2d = case.facts.get("h2d", {})
     unpinned = [x for x in case.summary.loaders if not x.pin_memory and x.batches > 0]
-    if not h2d.get("to_cuda") or not unpinned or h2d.get("pinned_source", 0) > 0:
-        return None
     share = case.share("h2d")
+    if not h2d.get("to_cuda") or not unpinned or h2d.get("pinned_source", 0) > 0 or share < MIN_COPY_SHARE:
+        return None
     evidence = [
         f"loader {unpinned[0].index} has pin_memory=False and its batches are copied to the GPU",
         f"h2d is {pct(share)} of the step" + ("" if case.ms("h2d") is None else f" ({case.ms('h2d'):.2f} ms)"),
@@ -238,9 +240,9 @@ def _pin_memory(case: Case) -> Finding | None:
 def _non_blocking(case: Case) -> Finding | None:
     h2d = case.facts.get("h2d", {})
     pinned = [x for x in case.summary.loaders if x.pin_memory and x.batches > 0]
-    if not h2d.get("to_cuda") or not pinned or h2d.get("non_blocking"):
-        return None
     share = case.share("h2d")
+    if not h2d.get("to_cuda") or not pinned or h2d.get("non_blocking") or share < MIN_COPY_SHARE:
+        return None
     evidence = [
         f"loader {pinned[0].index} pins memory, but {h2d['to_cuda']} copies to the GPU were blocking",
         f"h2d is {pct(share)} of the step",
@@ -430,9 +432,9 @@ def _channels_last(case: Case) -> Finding | None:
     "config",
 )
 def _set_to_none(case: Case) -> Finding | None:
-    if case.facts.get("zero_grad", {}).get("set_to_none") is not False:
-        return None
     share = case.share("zero_grad")
+    if case.facts.get("zero_grad", {}).get("set_to_none") is not False or (case.measured and share < MIN_GAIN):
+        return None
     evidence = ["zero_grad was called with set_to_none=False", *_at(case.lines("zero_grad_keep"))]
     if case.ms("zero_grad") is not None:
         evidence.append(f"zero_grad takes {case.ms('zero_grad'):.2f} ms per step ({pct(share)})")
@@ -815,7 +817,7 @@ def _full_shard_fits(case: Case) -> Finding | None:
 def _fused(case: Case) -> Finding | None:
     candidates = [o for o in case.facts.get("optimizers", []) if o["has_fused"] and not o["fused"]]
     share = case.share("optimizer")
-    if not candidates or not case.measured:
+    if not candidates or not case.measured or share < MIN_GAIN:
         return None
     opt = candidates[0]
     how = f"torch.optim.{opt['type']}(params, ..., fused=True)"
@@ -840,10 +842,10 @@ def _foreach(case: Case) -> Finding | None:
         return o["foreach"] is False or (o["foreach"] is None and o["device"] == "cpu")
 
     candidates = [o for o in case.facts.get("optimizers", []) if o["has_foreach"] and not o["has_fused"] and loops(o)]
-    if not candidates or not case.measured:
+    share = case.share("optimizer")
+    if not candidates or not case.measured or share < MIN_GAIN:
         return None
     opt = candidates[0]
-    share = case.share("optimizer")
     evidence = [f"{opt['type']} over {opt['params']} parameter tensors runs its per-parameter loop"]
     how = f"torch.optim.{opt['type']}(..., foreach=True)"
     return Finding(evidence, share, "at most the optimizer step's time", how=how)

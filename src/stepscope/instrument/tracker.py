@@ -135,8 +135,9 @@ class Tracker:
         self.probes_left = PROBES
         self.sdpa_probes_left = PROBES
         self._probed: dict[str, Any] = {}
-        self._models: dict[int, weakref.ref[Any]] = {}
-        self._optimizers: dict[int, weakref.ref[Any]] = {}
+        # Described when first seen: by exit time a script's main() has returned and its objects are gone.
+        self._models: dict[int, dict[str, Any]] = {}
+        self._optimizers: dict[int, dict[str, Any]] = {}
         self._graphs_at_measure: int | None = None
         self._h2d = {"copies": 0, "non_blocking": 0, "to_cuda": 0, "pinned_source": 0}
         self.zero_grad_set_to_none: bool | None = None
@@ -294,7 +295,7 @@ class Tracker:
         self._backward_pending = False
         key = id(optimizer)
         if key not in self._optimizers:
-            self._optimizers[key] = weakref.ref(optimizer)
+            self._optimizers[key] = self._describe(facts.describe_optimizer, optimizer)
         if key not in self._round:
             # A new optimizer joins the round after those seen so far: it is now the one that ends a round.
             self._round.add(key)
@@ -388,7 +389,8 @@ class Tracker:
         probed["torch"] = flags
         probed.setdefault("autocast", {}).update(facts.autocast_state())
         if next(module.parameters(), None) is not None and len(self._models) < 4:
-            self._models.setdefault(id(module), weakref.ref(module))
+            if id(module) not in self._models:
+                self._models[id(module)] = self._describe(facts.describe_model, module)
             shape = facts.first_input(args, kwargs)
             if shape is not None:
                 inputs = probed.setdefault("inputs", [])
@@ -427,13 +429,18 @@ class Tracker:
             if counts["to_cuda"] <= PROBES:  # is_pinned asks the allocator: sample it
                 counts["pinned_source"] += bool(source.is_pinned())
 
+    def _describe(self, describe: Callable[[Any], dict[str, Any]], thing: Any) -> dict[str, Any]:
+        try:
+            return describe(thing)
+        except Exception as error:  # facts are extras: measuring goes on without this one
+            self.facts_failure = f"{type(error).__name__}: {error}"
+            return {}
+
     def runtime_facts(self) -> dict[str, Any]:
         """Everything the doctor's rules read about this process (see doctor/facts.py)."""
         found: dict[str, Any] = dict(self._probed)
-        models = [m for ref in self._models.values() if (m := ref()) is not None]
-        found["models"] = [facts.describe_model(m) for m in models]
-        optimizers = [o for ref in self._optimizers.values() if (o := ref()) is not None]
-        found["optimizers"] = [facts.describe_optimizer(o) for o in optimizers]
+        found["models"] = [m for m in self._models.values() if m]
+        found["optimizers"] = [o for o in self._optimizers.values() if o]
         found["threads"] = facts.threads()
         if self.zero_grad_set_to_none is not None:
             found["zero_grad"] = {"set_to_none": self.zero_grad_set_to_none}

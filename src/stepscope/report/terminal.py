@@ -261,4 +261,4 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
         if fix.changes_numerics:
             lines.append("note: this changes the numerics of training; check the loss curve.")
         for line in lines:  # wrapped lines stay indented under their label
-            console.print(Padding(Text(line), (0, 0, 0, 3)))
+            console.print(Padding(Text(line), (0, 0, 0, 3), expand=False))

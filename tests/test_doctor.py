@@ -1,0 +1,133 @@
+"""End-to-end `stepscope doctor` runs on scripts with one known cause: the verdict and the first fix."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from run_helpers import RunResult, script, stepscope_run
+
+from stepscope.summary import RunSummary
+
+
+def doctor(tmp_path: Path, *args: str, warmup: int = 5, steps: int = 30, timeout: float = 180) -> RunResult:
+    return stepscope_run(tmp_path, *args, warmup=warmup, steps=steps, timeout=timeout, verb="doctor")
+
+
+def first_fix(summary: RunSummary) -> str:
+    return summary.fixes[0].id if summary.fixes else "(none)"
+
+
+def test_slow_loader_is_data_bound_and_workers_come_first(tmp_path):
+    r = doctor(tmp_path, script("slow_loader.py"), "--sample-ms", "3")
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.verdict.bound == "data", r.describe()
+    assert first_fix(s) == "loader.num_workers", r.describe()
+    fix = s.fixes[0]
+    # The bound is the measured data_wait share (Amdahl): all a faster loader can save.
+    assert fix.gain_bound == pytest.approx(s.phases["data_wait"].share, abs=1e-3)
+    assert fix.gain_bound > 0.8
+    assert fix.cost == "config" and not fix.changes_numerics
+    assert any("num_workers=0" in line for line in fix.evidence), fix.evidence
+    assert "num_workers=" in fix.how
+    # num_workers comes from argparse, so only the runtime fact knows it is 0: the lint stays silent.
+    assert not [hit for hit in s.facts["lint"] if hit["kind"] == "num_workers_zero"]
+    assert s.loaders[0].num_workers == 0
+    assert "verdict: data" in r.stdout and "1. Load batches in worker processes" in r.stdout, r.stdout
+
+
+def test_optimizer_bound_model_gets_the_fused_kernel_first(tmp_path):
+    r = doctor(tmp_path, script("doctor_optimizer.py"))
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.verdict.bound == "optimizer", r.describe()
+    assert first_fix(s) == "optimizer.fused", r.describe()
+    fix = s.fixes[0]
+    assert fix.gain_bound == pytest.approx(s.phases["optimizer"].share, abs=1e-3)
+    assert fix.how == "torch.optim.Adam(params, ..., fused=True)"
+    assert any("600 parameter tensors" in line and "per-parameter loop" in line for line in fix.evidence)
+    optimizer = s.facts["optimizers"][0]
+    assert optimizer["type"] == "Adam" and optimizer["foreach"] is False and optimizer["params"] == 600
+
+
+def test_anomaly_mode_is_the_first_fix(tmp_path):
+    r = doctor(tmp_path, script("doctor_anomaly.py"))
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.verdict.bound == "compute", r.describe()
+    assert first_fix(s) == "debug.anomaly", r.describe()
+    fix = s.fixes[0]
+    assert s.facts["torch"]["anomaly"] is True
+    compute = s.phases["forward"].share + s.phases["backward"].share
+    assert fix.gain_bound == pytest.approx(compute, abs=1e-3)
+    assert "line 11: torch.autograd.set_detect_anomaly(True)" in fix.evidence, fix.evidence
+
+
+def test_item_every_step_is_flagged_with_its_line(tmp_path):
+    r = doctor(tmp_path, script("doctor_item.py"))
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.verdict.bound in ("compute", "balanced"), r.describe()
+    assert first_fix(s) == "host.sync", r.describe()
+    fix = s.fixes[0]
+    assert fix.cost == "code"
+    assert s.counters["item_calls"] == pytest.approx(1.0)
+    assert "line 20: losses.append(loss.item())" in fix.evidence, fix.evidence
+    # On a CPU run the scalar read waits for no device: the bound says so instead of promising a gain.
+    assert fix.gain_bound is not None and fix.gain_bound < 0.05
+    assert "CPU" in fix.gain_reason
+
+
+def test_script_failing_before_the_first_step_reports_and_keeps_its_exit_code(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\ntorch.autograd.set_detect_anomaly(True)\nraise RuntimeError('no data here')\n")
+    r = doctor(tmp_path, str(bad))
+    assert r.returncode == 1, r.describe()
+    assert "Traceback" in r.stderr and "RuntimeError: no data here" in r.stderr
+    assert "stepscope" not in r.stderr.split("Traceback")[0], r.stderr  # no error of stepscope's own
+    s = r.summary
+    assert s.exit is not None and s.exit.reason == "error"
+    assert s.verdict.bound == "unknown"
+    # What was learned still counts: the lint saw anomaly mode, so its fix is listed (no steps: unbounded).
+    assert first_fix(s) == "debug.anomaly", r.describe()
+    assert s.fixes[0].gain_bound is None
+    assert "the script failed" in r.stdout
+
+
+def test_unparseable_script_is_a_note_not_a_crash(tmp_path):
+    # Python 3.11 runs the script (it fails with its own SyntaxError); the lint says why it was skipped.
+    bad = tmp_path / "broken.py"
+    bad.write_text("import torch\nfor x in :\n")
+    r = doctor(tmp_path, str(bad))
+    assert r.returncode == 1, r.describe()
+    assert any("was not linted" in note and "line 2" in note for note in r.summary.notes), r.summary.notes
+
+
+def test_missing_script_is_exit_2(tmp_path):
+    r = doctor(tmp_path, str(tmp_path / "nope.py"))
+    assert r.returncode == 2
+    assert "cannot run" in r.stderr and "no such file" in r.stderr
+
+
+def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *("--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"),
+        script("doctor_ddp.py"),
+    ]
+    r = doctor(tmp_path, "--", *launcher, warmup=5, steps=20, timeout=300)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert len(s.ranks) == 2, r.describe()
+    ids = [f.id for f in s.fixes]
+    assert "ddp.find_unused_parameters" in ids and "ddp.gradient_as_bucket_view" in ids, r.describe()
+    ddp = s.facts["models"][0]["ddp"]
+    assert ddp["find_unused_parameters"] is True and ddp["gradient_as_bucket_view"] is False
+    assert s.params and s.params[0]["unused"] == [] and s.params[0]["steps"] >= 1
+    fix = next(f for f in s.fixes if f.id == "ddp.find_unused_parameters")
+    assert any("found no parameter without a gradient" in line for line in fix.evidence)
+    assert any(line.startswith("line 15: model = DistributedDataParallel(") for line in fix.evidence), fix.evidence
