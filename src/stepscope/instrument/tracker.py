@@ -244,8 +244,8 @@ class Tracker:
     @_guarded
     def forward_begin(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """The outermost module call begins; returns False when it is not to be timed (inside one already)."""
-        if self.in_forward or self.in_fetch:
-            return False
+        if self.in_forward or self.in_fetch or (self._stack and self._stack[-1] == "backward"):
+            return False  # inside a forward already, a fetch, or backward's recomputation of checkpointed layers
         self.audit.see(module)
         self._close_backward_step()
         if self.probes_left:
