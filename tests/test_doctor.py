@@ -76,7 +76,7 @@ def test_item_every_step_is_flagged_with_its_line(tmp_path):
     assert s.counters["item_calls"] == pytest.approx(1.0)
     assert "line 20: losses.append(loss.item())" in fix.evidence, fix.evidence
     # On a CPU run the scalar read waits for no device: the bound says so instead of promising a gain.
-    assert fix.gain_bound is not None and fix.gain_bound < 0.05
+    assert fix.gain_bound is None
     assert "CPU" in fix.gain_reason
 
 

@@ -669,9 +669,11 @@ def _host_sync(case: Case) -> Finding | None:
     if items < 1 or not hits:
         return None
     # On the CPU a scalar read waits for nothing; it is listed because the same code stalls a GPU every step.
-    share = case.share("sync")
     evidence = [f"{items:.1f} .item()/.tolist() calls per step in the script", *_at(hits)]
-    return Finding(evidence, share, "on this CPU run a scalar read waits for no device; on a GPU it stalls each step")
+    why = (
+        "on this CPU run a scalar read waits for no device, so it cannot be bounded here; on a GPU it stalls each step"
+    )
+    return Finding(evidence, None, why)
 
 
 @rule(

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from typing import IO
 
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.padding import Padding
 from rich.table import Table
-from rich.text import Text
 
 from stepscope.record import TOTAL
 from stepscope.summary import Fix, RunSummary
@@ -261,4 +260,5 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
         if fix.changes_numerics:
             lines.append("note: this changes the numerics of training; check the loss curve.")
         for line in lines:  # wrapped lines stay indented under their label
-            console.print(Padding(Text(line), (0, 0, 0, 3), expand=False))
+            for part in textwrap.wrap(line, width=max(40, console.width - 3), subsequent_indent="  "):
+                console.print("   " + part, markup=False)
