@@ -17,7 +17,9 @@ def test_run_reports_the_settings_the_script_used(tmp_path):
     assert f["autocast"] == {"cpu": "bfloat16"}  # only open inside the loop: probed during forward
     assert f["torch"]["anomaly"] is False and f["torch"]["profiler"] is False
     assert f["zero_grad"] == {"set_to_none": False}
-    assert f["inputs"] == [{"shape": [4, 3, 8, 8], "dtype": "float32", "device": "cpu", "channels_last": False}]
+    assert f["inputs"] == [
+        {"shape": [4, 3, 8, 8], "dtype": "float32", "device": "cpu", "channels_last": False, "model": "Net"}
+    ]
     (model,) = f["models"]
     assert model["type"] == "Net" and model["convs"] == 1 and model["wrapper"] is None
     assert model["params"] == (3 * 8 * 9 + 8) + (8 * 8 + 8) + (8 * 4 + 4)

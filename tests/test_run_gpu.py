@@ -37,3 +37,29 @@ def test_run_times_a_cuda_script_with_events_h2d_and_syncs(tmp_path):
     assert phases["sync"].mean_ms > phases["forward"].mean_ms
     assert summary.throughput.samples_per_s == pytest.approx(256 * summary.throughput.steps_per_s, rel=0.01)
     assert summary.verdict.bound != "unknown"
+
+
+def test_doctor_reads_the_gpu_settings_and_names_the_free_knobs(tmp_path):
+    out = tmp_path / "d.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    script = ROOT / "tests" / "gpu_scripts" / "cuda_doctor.py"
+    cmd = [sys.executable, "-m", "stepscope.cli", "doctor", "--warmup", "10", "--steps", "30", "--json", str(out)]
+    done = subprocess.run([*cmd, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = RunSummary.from_json(out)
+    facts = summary.facts
+    major, minor = torch.cuda.get_device_capability()
+    assert facts["device"]["capability"] == [major, minor]
+    assert facts["device"]["name"] == torch.cuda.get_device_name()
+    assert facts["device"]["peak_allocated_mb"] > 0
+    assert facts["torch"]["matmul_precision"] == "highest" and facts["autocast"] == {}
+    assert facts["inputs"][0]["shape"] == [64, 3, 32, 32] and facts["inputs"][0]["device"] == "cuda"
+    assert facts["models"][0]["convs"] == 2 and facts["models"][0]["device"] == "cuda"
+    (attention,) = facts["sdpa"]  # one distinct attention call, probed on CUDA
+    assert attention["dtype"] == "float32" and attention["head_dim"] == 16 and attention["flash"] is False
+    assert summary.counters["host_syncs"] == pytest.approx(1.0)
+    ids = [fix.id for fix in summary.fixes]
+    assert "cudnn.benchmark" in ids and "host.sync" in ids, ids
+    if (major, minor) >= (8, 0):
+        assert "tf32" in ids and "precision.bf16" in ids, ids
+        assert next(f for f in summary.fixes if f.id == "tf32").changes_numerics

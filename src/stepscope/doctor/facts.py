@@ -149,6 +149,7 @@ def threads() -> dict[str, Any]:
         "env": {name: os.environ[name] for name in THREAD_ENV if name in os.environ},
         "cores": cores,
         "cpu_quota": cgroup_cpu_quota(),
+        "local_ranks": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),  # ranks on this machine (torchrun)
     }
 
 
@@ -211,13 +212,23 @@ def device() -> dict[str, Any] | None:
         "index": index,
         "name": props.name,
         "capability": [props.major, props.minor],
-        "bf16": bool(torch.cuda.is_bf16_supported()),
+        "bf16": _bf16_native(),
         "total_mb": props.total_memory / MB,
         "peak_allocated_mb": torch.cuda.max_memory_allocated(index) / MB,
         "peak_reserved_mb": torch.cuda.max_memory_reserved(index) / MB,
         "alloc_retries": int(stats.get("num_alloc_retries", 0)),
         "ooms": int(stats.get("num_ooms", 0)),
     }
+
+
+def _bf16_native() -> bool:
+    """bfloat16 in hardware; ``is_bf16_supported()`` alone also counts emulation on pre-Ampere GPUs."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch versions without the argument did not count emulation
+        return bool(torch.cuda.is_bf16_supported())
 
 
 def sdpa_kernels(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, is_causal: bool) -> dict[str, Any]:

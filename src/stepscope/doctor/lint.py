@@ -51,9 +51,25 @@ def _keyword(call: ast.Call, name: str) -> ast.AST | None:
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Local names bound by imports, to the dotted names they stand for (``DDP`` -> ``torch.nn.parallel.
+    DistributedDataParallel``, ``profile`` -> ``torch.profiler.profile``), so calls read as their full names."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    names[alias.asname] = alias.name
+    return names
+
+
 class _Visitor(ast.NodeVisitor):
-    def __init__(self, lines: list[str]) -> None:
+    def __init__(self, lines: list[str], aliases: dict[str, str]) -> None:
         self.lines = lines
+        self.aliases = aliases
         self.hits: list[LintHit] = []
         self.loop_depth = 0
         self.function_depth = 0
@@ -97,8 +113,13 @@ class _Visitor(ast.NodeVisitor):
                 self.hit("tf32_on" if node.value.value is True else "tf32_off", node)
         self.generic_visit(node)
 
+    def resolve(self, name: str) -> str:
+        head, _, rest = name.partition(".")
+        full = self.aliases.get(head, head)
+        return f"{full}.{rest}" if rest else full
+
     def visit_Call(self, node: ast.Call) -> None:
-        name = _dotted(node.func)
+        name = self.resolve(_dotted(node.func))
         last = name.rsplit(".", 1)[-1]
         args = node.args
         if last == "detect_anomaly" or (last == "set_detect_anomaly" and args and _is_true(args[0])):
@@ -111,7 +132,8 @@ class _Visitor(ast.NodeVisitor):
             self.hit("deterministic", node)
         elif last == "DataLoader":
             workers = _keyword(node, "num_workers")
-            if workers is None or (isinstance(workers, ast.Constant) and workers.value == 0):
+            unpacked = any(k.arg is None for k in node.keywords)  # DataLoader(ds, **kwargs): cannot tell
+            if (workers is None and not unpacked) or (isinstance(workers, ast.Constant) and workers.value == 0):
                 self.hit("num_workers_zero", node)
         elif last == "zero_grad":
             keep = _keyword(node, "set_to_none") or (args[0] if args else None)
@@ -133,7 +155,7 @@ def lint_source(source: str, filename: str = "<script>") -> list[LintHit]:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as error:
         raise LintError(f"{filename} does not parse (line {error.lineno}: {error.msg}).") from error
-    visitor = _Visitor(source.splitlines())
+    visitor = _Visitor(source.splitlines(), _aliases(tree))
     visitor.visit(tree)
     return sorted(visitor.hits, key=lambda h: (h.line, h.kind))
 

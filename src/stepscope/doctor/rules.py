@@ -102,6 +102,15 @@ class Case:
             return None
         return bool(self.facts["autocast"])
 
+    def cores(self) -> float | None:
+        """CPU cores this process may use: the cgroup quota when set, else its affinity; None when unknown."""
+        threads = self.facts.get("threads", {})
+        return threads.get("cpu_quota") or threads.get("cores")
+
+    def local_ranks(self) -> int:
+        """Ranks sharing this machine's cores (torchrun's LOCAL_WORLD_SIZE; 1 when not launched by it)."""
+        return int(self.facts.get("threads", {}).get("local_ranks") or 1)
+
     def signals(self) -> dict[str, str]:
         return {s["id"]: s.get("evidence", "") for s in self.summary.system.get("signals", [])}
 
@@ -164,12 +173,14 @@ def _loader_workers(case: Case) -> Finding | None:
     data = case.share("data_wait")
     if not loaders or not case.measured or data < MIN_DATA_SHARE:
         return None
-    cores = case.facts.get("threads", {}).get("cores")
-    world = case.summary.meta.world_size or 1
+    cores, local = case.cores(), case.local_ranks()
     hint = None
     if cores:
-        workers = max(1, min(8, cores // world - 1))
-        hint = f"DataLoader(..., num_workers={workers}, persistent_workers=True) ({cores} cores, {world} rank(s))"
+        workers = max(1, min(8, int(cores // local) - 1))
+        hint = (
+            f"DataLoader(..., num_workers={workers}, persistent_workers=True) "
+            f"({cores:g} usable cores, {local} rank(s) on this machine)"
+        )
     loader = loaders[0]
     evidence = [
         f"loader {loader.index} ({loader.dataset}) has num_workers=0",
@@ -286,10 +297,9 @@ def _prefetch(case: Case) -> Finding | None:
 )
 def _too_many_workers(case: Case) -> Finding | None:
     threads = case.facts.get("threads", {})
-    cores = threads.get("cpu_quota") or threads.get("cores")
+    cores, world = case.cores(), case.local_ranks()
     if not cores:
         return None
-    world = case.summary.meta.world_size or 1
     busy = [x for x in case.summary.loaders if x.num_workers * world > cores]
     if not busy:
         return None
@@ -369,6 +379,16 @@ def _tf32(case: Case) -> Finding | None:
     return Finding(evidence, share, "at most the forward and backward time")
 
 
+def _shapes_by_model(case: Case) -> dict[str | None, list[list[int]]]:
+    """The distinct input shapes seen by each model (a GAN's generator and discriminator each have their own)."""
+    shapes: dict[str | None, list[list[int]]] = {}
+    for entry in case.facts.get("inputs", []):
+        seen = shapes.setdefault(entry.get("model"), [])
+        if entry["shape"] not in seen:
+            seen.append(entry["shape"])
+    return shapes
+
+
 @rule(
     "cudnn.benchmark",
     "Let cuDNN pick the fastest convolution algorithms",
@@ -379,11 +399,14 @@ def _tf32(case: Case) -> Finding | None:
 )
 def _cudnn_benchmark(case: Case) -> Finding | None:
     convs = sum(m.get("convs", 0) for m in case.models())
-    shapes = case.facts.get("inputs", [])
-    if not case.cuda or not convs or case.torch_flag("cudnn_benchmark") is not False or len(shapes) != 1:
+    shapes = _shapes_by_model(case)
+    if not case.cuda or not convs or case.torch_flag("cudnn_benchmark") is not False or not shapes:
         return None
+    if any(len(seen) != 1 for seen in shapes.values()):
+        return None
+    fixed = ", ".join(str(seen[0]) for seen in shapes.values())
     evidence = [
-        f"{convs} convolution layer(s), one input shape {shapes[0]['shape']} in the probed steps",
+        f"{convs} convolution layer(s), fixed input shape(s) {fixed} in the probed steps",
         "torch.backends.cudnn.benchmark is False",
     ]
     return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
@@ -399,11 +422,13 @@ def _cudnn_benchmark(case: Case) -> Finding | None:
 )
 def _cudnn_varying(case: Case) -> Finding | None:
     convs = sum(m.get("convs", 0) for m in case.models())
-    shapes = case.facts.get("inputs", [])
-    if not case.cuda or not convs or case.torch_flag("cudnn_benchmark") is not True or len(shapes) < 2:
+    varying = {model: seen for model, seen in _shapes_by_model(case).items() if len(seen) > 1}
+    if not case.cuda or not convs or case.torch_flag("cudnn_benchmark") is not True or not varying:
         return None
-    seen = ", ".join(str(s["shape"]) for s in shapes[:3])
-    evidence = [f"{len(shapes)} input shapes in the probed steps ({seen})", *_at(case.lines("cudnn_benchmark_on"))]
+    model, seen = next(iter(varying.items()))
+    listed = ", ".join(str(shape) for shape in seen[:3])
+    who = f"{model}: " if model else ""
+    evidence = [f"{who}{len(seen)} input shapes in the probed steps ({listed})", *_at(case.lines("cudnn_benchmark_on"))]
     return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
 
 
@@ -519,8 +544,11 @@ def _deterministic(case: Case) -> Finding | None:
     changes_numerics=True,
 )
 def _bf16(case: Case) -> Finding | None:
-    device = case.facts.get("device")
-    if device is None or not device.get("bf16") or case.autocast() is not False or not _fp32_model(case):
+    device, capability = case.facts.get("device"), _capability(case)
+    # is_bf16_supported() counts emulation on older GPUs: only Ampere and newer have bf16 tensor cores
+    if device is None or capability is None or capability < AMPERE or not device.get("bf16"):
+        return None
+    if case.autocast() is not False or not _fp32_model(case):
         return None
     evidence = [f"{device['name']} supports bfloat16; the model trains in float32 with no autocast"]
     return Finding(evidence, _compute_bound(case), "at most the forward and backward time")
@@ -711,8 +739,8 @@ def _threads(case: Case) -> Finding | None:
     if not threads:
         return None
     quota = threads.get("cpu_quota")
-    limit = quota if quota else threads.get("cores")
-    local = case.summary.meta.world_size or 1
+    limit = case.cores()
+    local = case.local_ranks()
     used = threads["torch_threads"] * local
     if not limit or used <= max(limit, 1) + 0.5:
         return None
@@ -743,8 +771,8 @@ def _ddp(case: Case) -> dict[str, Any] | None:
 def _find_unused(case: Case) -> Finding | None:
     ddp = _ddp(case)
     audits = case.summary.params
-    if ddp is None or not ddp["find_unused_parameters"] or not audits:
-        return None
+    if ddp is None or not ddp["find_unused_parameters"] or not audits or not audits[0].get("steps"):
+        return None  # no backward pass audited: nothing is known about unused parameters
     if any(a.get("unused") or a.get("conditional") for a in audits):
         return None
     evidence = [

@@ -393,6 +393,7 @@ class Tracker:
                 self._models[id(module)] = self._describe(facts.describe_model, module)
             shape = facts.first_input(args, kwargs)
             if shape is not None:
+                shape["model"] = type(module).__name__
                 inputs = probed.setdefault("inputs", [])
                 if shape not in inputs:
                     inputs.append(shape)
