@@ -1,0 +1,1396 @@
+"""The fix catalogue: every rule fires on a fixture that shows its problem, stays silent on a near miss and on
+absent facts, and diagnose ranks what fires by cost, then gain bound.
+
+Most fixtures start from ``healthy()``: a CUDA-timed DDP run on an A100 that no rule has anything to say about
+(checked by a test), and change the one fact a rule reads. The phase shares are chosen so that every Amdahl bound
+is a known number: the GPU is busy in forward 30% and backward 45% of the step (``COMPUTE`` = 0.75), while the
+host clock sees other figures, so a rule that read the wrong clock would get the wrong bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from stepscope.doctor import rules
+from stepscope.doctor.lint import LintHit
+from stepscope.doctor.rules import CATALOGUE, Case, Finding, Rule, diagnose
+from stepscope.doctor.verdict import refine
+from stepscope.summary import (
+    COSTS,
+    Cluster,
+    Epoch,
+    Fix,
+    LoaderInfo,
+    Meta,
+    PhaseStats,
+    RunSummary,
+    Steps,
+    Straggler,
+    Verdict,
+)
+
+STEP_MS = 100.0
+
+# -- fixture builders -------------------------------------------------------------------------------------------
+
+
+def make_summary(
+    phases: dict[str, float],
+    *,
+    device: dict[str, float] | None = None,
+    timing: str = "host",
+    loaders: list[LoaderInfo] | None = None,
+    epochs: list[Epoch] | None = None,
+    facts: dict[str, Any] | None = None,
+    counters: dict[str, float] | None = None,
+    measured: int = 20,
+    warmup: int = 10,
+    stats: dict[str, dict[str, float]] | None = None,
+    signals: list[dict[str, str]] | None = None,
+    params: list[dict[str, Any]] | None = None,
+    world_size: int | None = None,
+) -> RunSummary:
+    """A summary whose phases take ``share`` of a 100 ms step (host clock) and ``device[name]`` of it on the GPU;
+    ``stats`` overrides single fields (``{"data_wait": {"median_ms": 2.0}}``, ``{"total": {"p95_ms": 350.0}}``)."""
+    device = device or {}
+    built: dict[str, PhaseStats] = {}
+    for name, share in phases.items():
+        ms = share * STEP_MS
+        gpu = device.get(name)
+        gpu_ms = None if gpu is None else gpu * STEP_MS
+        built[name] = PhaseStats(
+            mean_ms=ms,
+            median_ms=ms,
+            p95_ms=ms,
+            share=share,
+            steps=measured,
+            device_mean_ms=gpu_ms,
+            device_median_ms=gpu_ms,
+            device_p95_ms=gpu_ms,
+            device_share=gpu,
+        )
+    built["total"] = PhaseStats(STEP_MS, STEP_MS, STEP_MS, 1.0, measured)
+    for name, fields in (stats or {}).items():
+        built[name] = dataclasses.replace(built[name], **fields)
+    return RunSummary(
+        steps=Steps(warmup=warmup, measured=measured),
+        phases=built,
+        meta=Meta(device="cuda" if timing == "cuda" else "cpu", timing=timing, world_size=world_size),
+        loaders=list(loaders or []),
+        epochs=list(epochs or []),
+        counters=dict(counters or {}),
+        facts=copy.deepcopy(facts or {}),
+        system={"signals": list(signals)} if signals else {},
+        params=list(params or []),
+    )
+
+
+def loader(
+    num_workers: int = 4,
+    pin_memory: bool = True,
+    persistent_workers: bool = True,
+    prefetch_factor: int | None = 2,
+    batches: int = 30,
+    index: int = 0,
+) -> LoaderInfo:
+    return LoaderInfo(
+        index=index,
+        dataset="ToyDataset",
+        batch_size=32,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor if num_workers else None,
+        drop_last=False,
+        iterable=False,
+        length=100,
+        batches=batches,
+        samples=32 * batches,
+        fetch_s=1.0,
+    )
+
+
+def torch_flags(**changes: Any) -> dict[str, Any]:
+    flags = {
+        "matmul_precision": "high",
+        "cuda_matmul_tf32": True,
+        "cudnn_tf32": True,
+        "cudnn_benchmark": True,
+        "cudnn_deterministic": False,
+        "deterministic_algorithms": False,
+        "anomaly": False,
+        "profiler": False,
+        "grad_enabled": True,
+    }
+    return {**flags, **changes}
+
+
+def device_fact(**changes: Any) -> dict[str, Any]:
+    fact = {
+        "index": 0,
+        "name": "NVIDIA A100-SXM4-80GB",
+        "capability": [8, 0],
+        "bf16": True,
+        "total_mb": 81920.0,
+        "peak_allocated_mb": 60000.0,
+        "peak_reserved_mb": 62000.0,
+        "alloc_retries": 0,
+        "ooms": 0,
+    }
+    return {**fact, **changes}
+
+
+def model_fact(**changes: Any) -> dict[str, Any]:
+    fact = {
+        "type": "ConvNet",
+        "params": 25_000_000,
+        "trainable_params": 25_000_000,
+        "param_mb": 95.4,
+        "dtypes": {"float32": 10},
+        "device": "cuda",
+        "convs": 5,
+        "attention": 0,
+        "batchnorms": 5,
+        "compiled": False,
+        "wrapper": "ddp",
+        "ddp": {
+            "find_unused_parameters": False,
+            "bucket_cap_mb": 25.0,
+            "gradient_as_bucket_view": True,
+            "static_graph": False,
+        },
+    }
+    return {**fact, **changes}
+
+
+def fsdp_model(strategy: str = "FULL_SHARD", param_mb: float = 1024.0, **fsdp: Any) -> dict[str, Any]:
+    fact = model_fact(wrapper="fsdp", param_mb=param_mb)
+    del fact["ddp"]
+    fact["fsdp"] = {"sharding_strategy": strategy, "backward_prefetch": "BACKWARD_PRE", "forward_prefetch": True}
+    fact["fsdp"].update(fsdp)
+    return fact
+
+
+def _plain_model() -> dict[str, Any]:
+    fact = model_fact(wrapper=None)
+    del fact["ddp"]
+    return fact
+
+
+def optimizer_fact(**changes: Any) -> dict[str, Any]:
+    fact = {
+        "type": "AdamW",
+        "fused": True,
+        "foreach": None,
+        "has_fused": True,
+        "has_foreach": True,
+        "params": 10,
+        "device": "cuda",
+    }
+    return {**fact, **changes}
+
+
+def threads_fact(
+    torch_threads: int = 4, cores: int = 16, cpu_quota: float | None = None, local_ranks: int = 1, **env: str
+) -> dict:
+    """``local_ranks``: ranks sharing this machine's cores (torchrun's LOCAL_WORLD_SIZE)."""
+    return {
+        "torch_threads": torch_threads,
+        "interop_threads": 4,
+        "env": env,
+        "cores": cores,
+        "cpu_quota": cpu_quota,
+        "local_ranks": local_ranks,
+    }
+
+
+IMAGE = {"shape": [32, 3, 224, 224], "dtype": "float32", "device": "cuda", "channels_last": True}
+FLASH = {"dtype": "bfloat16", "head_dim": 64, "mask": False, "flash": True, "efficient": True, "cudnn": False}
+
+# Host clock: what the host saw (kernel launches, waits). GPU: what the device did.
+HOST_SHARES = {
+    "data_wait": 0.05,
+    "h2d": 0.02,
+    "forward": 0.15,
+    "backward": 0.2,
+    "optimizer": 0.08,
+    "zero_grad": 0.03,
+    "other": 0.47,
+}
+GPU_SHARES = {"h2d": 0.02, "forward": 0.3, "backward": 0.45, "optimizer": 0.08, "zero_grad": 0.03}
+COMPUTE = 0.75  # GPU forward + backward
+HOST_IDLE = 0.07  # 1 - GPU busy outside data (0.86) - data (0.05 + 0.02)
+
+
+def healthy_facts() -> dict[str, Any]:
+    return {
+        "torch": torch_flags(),
+        "autocast": {"cuda": "bfloat16"},
+        "inputs": [dict(IMAGE)],
+        "models": [model_fact()],
+        "optimizers": [optimizer_fact()],
+        "threads": threads_fact(local_ranks=2),
+        "zero_grad": {"set_to_none": True},
+        "h2d": {"copies": 40, "non_blocking": 40, "to_cuda": 40, "pinned_source": 8},
+        "dynamo": {
+            "graphs": 2,
+            "frames": 2,
+            "frames_ok": 2,
+            "graph_breaks": {},
+            "recompile_limit_hits": 0,
+            "graphs_in_window": 0,
+        },
+        "device": device_fact(),
+        "sdpa": [dict(FLASH)],
+    }
+
+
+def audit(steps: int = 5, unused: list | None = None, conditional: list | None = None) -> dict[str, Any]:
+    return {
+        "model": "ConvNet",
+        "steps": steps,
+        "used_count": 10,
+        "unused": unused or [],
+        "zero_grad": [],
+        "frozen": [],
+        "conditional": conditional or [],
+        "ddp_find_unused": True,
+        "zero_grad_checked": False,
+        "total_count": 10,
+        "wrapped_in": ["DistributedDataParallel"],
+    }
+
+
+def healthy(**changes: Any) -> RunSummary:
+    """A CUDA-timed 2-rank DDP run on one machine with nothing to fix; keyword arguments replace make_summary's."""
+    kwargs: dict[str, Any] = {
+        "device": GPU_SHARES,
+        "timing": "cuda",
+        "loaders": [loader()],
+        "facts": healthy_facts(),
+        "counters": {"host_syncs": 0.0, "item_calls": 0.0, "checkpoint_calls": 0.0},
+        "params": [audit()],
+        "world_size": 2,
+    }
+    kwargs.update(changes)
+    return make_summary(HOST_SHARES, **kwargs)
+
+
+def with_facts(summary: RunSummary, **changes: Any) -> RunSummary:
+    summary.facts.update(changes)
+    return summary
+
+
+def cpu_summary(phases: dict[str, float] | None = None, **changes: Any) -> RunSummary:
+    """A host-timed CPU run: no device fact."""
+    shares = phases or {"data_wait": 0.1, "forward": 0.3, "backward": 0.4, "optimizer": 0.1, "other": 0.1}
+    return make_summary(shares, **changes)
+
+
+def ids(fixes: list[Fix]) -> list[str]:
+    return [f.id for f in fixes]
+
+
+def fired(case: Case) -> dict[str, Fix]:
+    fixes, notes = diagnose(case)
+    assert notes == []
+    return {f.id: f for f in fixes}
+
+
+# -- positive and negative fixtures ------------------------------------------------------------------------------
+
+Builder = Callable[[], Case]
+POSITIVE: list[tuple[str, Builder, float | None, str]] = []
+NEGATIVE: list[tuple[str, Builder]] = []
+
+
+def positive(rule_id: str, gain: float | None, evidence: str) -> Callable[[Builder], Builder]:
+    """Register a fixture on which ``rule_id`` fires with this gain bound and this exact evidence line."""
+
+    def register(build: Builder) -> Builder:
+        POSITIVE.append((rule_id, build, gain, evidence))
+        return build
+
+    return register
+
+
+def negative(rule_id: str) -> Callable[[Builder], Builder]:
+    """Register a near miss: ``rule_id`` must stay silent on it."""
+
+    def register(build: Builder) -> Builder:
+        NEGATIVE.append((rule_id, build))
+        return build
+
+    return register
+
+
+DATA_BOUND = {"data_wait": 0.6, "forward": 0.15, "backward": 0.2, "optimizer": 0.05}
+
+
+@positive("loader.num_workers", 0.6, "data_wait is 60% of the step (60.0 ms of 100.0 ms)")
+def workers_zero() -> Case:
+    facts = {"threads": threads_fact(cores=8)}
+    return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=0, pin_memory=False)], facts=facts))
+
+
+@negative("loader.num_workers")
+def workers_two() -> Case:
+    return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=8)}))
+
+
+@negative("loader.num_workers")
+def workers_zero_little_data_wait() -> Case:
+    phases = {"data_wait": 0.04, "forward": 0.5, "backward": 0.46}
+    return Case(make_summary(phases, loaders=[loader(num_workers=0)]))
+
+
+@negative("loader.num_workers")
+def workers_zero_no_steps() -> Case:
+    return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=0)], measured=0))
+
+
+def _epochs(stalls_ms: list[float], loader_index: int = 0) -> list[Epoch]:
+    return [Epoch(loader_index, i, 10.0, 30, 960, stall, True) for i, stall in enumerate(stalls_ms)]
+
+
+@positive("loader.persistent_workers", 0.04, "2 epoch restart(s) stalled 600 ms each before the first batch")
+def restarted_workers() -> Case:
+    # later stalls 1.2 s over 30 s of epochs: 4%; the first epoch's start-up is paid either way.
+    return Case(healthy(loaders=[loader(persistent_workers=False)], epochs=_epochs([500.0, 600.0, 600.0])))
+
+
+@negative("loader.persistent_workers")
+def persistent_already() -> Case:
+    return Case(healthy(epochs=_epochs([500.0, 600.0, 600.0])))
+
+
+@negative("loader.persistent_workers")
+def one_epoch_only() -> Case:
+    return Case(healthy(loaders=[loader(persistent_workers=False)], epochs=_epochs([2000.0])))
+
+
+@negative("loader.persistent_workers")
+def short_restart_stalls() -> Case:
+    # 2 × 100 ms over 30 s: 0.7%, under the 2% worth a fix
+    return Case(healthy(loaders=[loader(persistent_workers=False)], epochs=_epochs([500.0, 100.0, 100.0])))
+
+
+@positive("loader.pin_memory", 0.02, "h2d is 2% of the step (2.00 ms)")
+def unpinned() -> Case:
+    summary = healthy(loaders=[loader(pin_memory=False)])
+    summary.facts["h2d"] = {"copies": 40, "non_blocking": 0, "to_cuda": 40, "pinned_source": 0}
+    return Case(summary)
+
+
+@negative("loader.pin_memory")
+def unpinned_loader_but_pinned_by_hand() -> Case:
+    return Case(healthy(loaders=[loader(pin_memory=False)]))  # pinned_source 8: the script pins its batches
+
+
+@negative("loader.pin_memory")
+def unpinned_copies_in_no_time() -> Case:
+    case = unpinned()
+    set_share(case.summary, "h2d", 0.005)
+    return case
+
+
+@negative("loader.pin_memory")
+def unpinned_on_cpu() -> Case:
+    h2d = {"copies": 40, "non_blocking": 0, "to_cuda": 0, "pinned_source": 0}
+    return Case(cpu_summary(loaders=[loader(pin_memory=False)], facts={"h2d": h2d}))
+
+
+@positive("h2d.non_blocking", 0.02, "loader 0 pins memory, but 40 copies to the GPU were blocking")
+def blocking_copies() -> Case:
+    summary = healthy()
+    summary.facts["h2d"]["non_blocking"] = 0
+    return Case(summary)
+
+
+@negative("h2d.non_blocking")
+def blocking_copies_from_unpinned_loader() -> Case:
+    summary = healthy(loaders=[loader(pin_memory=False)])
+    summary.facts["h2d"]["non_blocking"] = 0
+    return Case(summary)
+
+
+BURSTY = {"data_wait": {"median_ms": 2.0, "p95_ms": 150.0}}
+PREFETCH_PHASES = {"data_wait": 0.3, "forward": 0.3, "backward": 0.3, "optimizer": 0.1}
+
+
+@positive("loader.prefetch", 0.3, "data_wait median 2.00 ms but mean 30.0 ms and p95 150.0 ms")
+def bursty_fetches() -> Case:
+    return Case(make_summary(PREFETCH_PHASES, loaders=[loader()], stats=BURSTY))
+
+
+@negative("loader.prefetch")
+def steady_fetches() -> Case:
+    steady = {"data_wait": {"median_ms": 28.0, "p95_ms": 35.0}}
+    return Case(make_summary(PREFETCH_PHASES, loaders=[loader()], stats=steady))
+
+
+@negative("loader.prefetch")
+def bursty_without_workers() -> Case:
+    return Case(make_summary(PREFETCH_PHASES, loaders=[loader(num_workers=0)], stats=BURSTY))
+
+
+@positive("loader.too_many_workers", None, "loader 0: 8 workers × 1 rank(s) for 4 cgroup quota")
+def workers_over_quota() -> Case:
+    return Case(healthy(loaders=[loader(num_workers=8)], facts={"threads": threads_fact(cpu_quota=4.0)}, world_size=1))
+
+
+@negative("loader.too_many_workers")
+def workers_at_quota() -> Case:
+    return Case(healthy(loaders=[loader(num_workers=4)], facts={"threads": threads_fact(cpu_quota=4.0)}, world_size=1))
+
+
+@negative("loader.too_many_workers")
+def workers_per_rank_fit() -> Case:
+    facts = {"threads": threads_fact(cores=8, local_ranks=2)}  # 4 workers × 2 ranks = 8 cores
+    return Case(healthy(loaders=[loader(num_workers=4)], facts=facts, world_size=2))
+
+
+TRANSFORM = "No GPU was in use while its 4 DataLoader worker process(es) used 390% CPU"
+IO = "No GPU was in use while the training process used 3% of a core and it has no worker processes"
+
+
+@positive("loader.transform_bound", 0.5, TRANSFORM)
+def transform_bound() -> Case:
+    phases = {"data_wait": 0.5, "forward": 0.2, "backward": 0.3}
+    return Case(make_summary(phases, signals=[{"id": "transform_bound", "evidence": TRANSFORM}]))
+
+
+@negative("loader.transform_bound")
+def transform_signal_little_data_wait() -> Case:
+    phases = {"data_wait": 0.04, "forward": 0.5, "backward": 0.46}
+    return Case(make_summary(phases, signals=[{"id": "transform_bound", "evidence": TRANSFORM}]))
+
+
+@positive("loader.io_bound", 0.5, "data_wait is 50% of the step")
+def io_bound() -> Case:
+    phases = {"data_wait": 0.5, "forward": 0.2, "backward": 0.3}
+    return Case(make_summary(phases, signals=[{"id": "io_bound", "evidence": IO}]))
+
+
+@negative("loader.io_bound")
+def data_bound_without_io_signal() -> Case:
+    phases = {"data_wait": 0.5, "forward": 0.2, "backward": 0.3}
+    return Case(make_summary(phases, signals=[{"id": "transform_bound", "evidence": TRANSFORM}]))
+
+
+def fp32_no_autocast(**flags: Any) -> RunSummary:
+    """The healthy run in plain float32: no autocast, float32 parameters."""
+    return with_facts(healthy(), autocast={}, torch=torch_flags(**flags))
+
+
+@positive("tf32", COMPUTE, 'float32 matmul precision is "highest" (TF32 off)')
+def tf32_off() -> Case:
+    return Case(fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False))
+
+
+@negative("tf32")
+def tf32_already_high() -> Case:
+    return Case(fp32_no_autocast(matmul_precision="high", cuda_matmul_tf32=True))
+
+
+@negative("tf32")
+def tf32_off_on_volta() -> Case:
+    summary = fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False)
+    summary.facts["device"].update(capability=[7, 0], name="Tesla V100-SXM2-32GB")
+    return Case(summary)
+
+
+@negative("tf32")
+def tf32_off_under_autocast() -> Case:
+    return Case(with_facts(healthy(), torch=torch_flags(matmul_precision="highest", cuda_matmul_tf32=False)))
+
+
+@negative("tf32")
+def tf32_off_bf16_parameters() -> Case:
+    summary = fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False)
+    summary.facts["models"][0]["dtypes"] = {"bfloat16": 10}
+    return Case(summary)
+
+
+@negative("tf32")
+def tf32_off_autocast_not_probed() -> Case:
+    summary = fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False)
+    del summary.facts["autocast"]
+    return Case(summary)
+
+
+@positive(
+    "cudnn.benchmark", COMPUTE, "5 convolution layer(s), fixed input shape(s) [32, 3, 224, 224] in the probed steps"
+)
+def benchmark_off() -> Case:
+    return Case(with_facts(healthy(), torch=torch_flags(cudnn_benchmark=False)))
+
+
+@negative("cudnn.benchmark")
+def benchmark_off_varying_shapes() -> Case:
+    inputs = [IMAGE, {**IMAGE, "shape": [32, 3, 256, 256]}]
+    return Case(with_facts(healthy(), torch=torch_flags(cudnn_benchmark=False), inputs=inputs))
+
+
+@negative("cudnn.benchmark")
+def benchmark_off_no_convs() -> Case:
+    return Case(with_facts(healthy(), torch=torch_flags(cudnn_benchmark=False), models=[model_fact(convs=0)]))
+
+
+@negative("cudnn.benchmark")
+def benchmark_off_on_cpu() -> Case:
+    facts = {"torch": torch_flags(cudnn_benchmark=False), "inputs": [IMAGE], "models": [model_fact()]}
+    return Case(cpu_summary(facts=facts))
+
+
+@positive(
+    "cudnn.benchmark_varying", COMPUTE, "2 input shapes in the probed steps ([32, 3, 224, 224], [32, 3, 256, 256])"
+)
+def benchmark_on_varying_shapes() -> Case:
+    return Case(with_facts(healthy(), inputs=[IMAGE, {**IMAGE, "shape": [32, 3, 256, 256]}]))
+
+
+@negative("cudnn.benchmark_varying")
+def benchmark_off_varying() -> Case:
+    inputs = [IMAGE, {**IMAGE, "shape": [32, 3, 256, 256]}]
+    return Case(with_facts(healthy(), torch=torch_flags(cudnn_benchmark=False), inputs=inputs))
+
+
+@positive("channels_last", COMPUTE, "4-D inputs are NCHW")
+def nchw_under_autocast() -> Case:
+    return Case(with_facts(healthy(), inputs=[{**IMAGE, "channels_last": False}]))
+
+
+@negative("channels_last")
+def nchw_without_autocast() -> Case:
+    return Case(with_facts(healthy(), inputs=[{**IMAGE, "channels_last": False}], autocast={}))
+
+
+@negative("channels_last")
+def no_4d_inputs() -> Case:
+    return Case(with_facts(healthy(), inputs=[{"shape": [32, 512], "dtype": "float32", "device": "cuda"}]))
+
+
+def set_share(summary: RunSummary, phase: str, share: float) -> RunSummary:
+    """Give a phase this share of the step on both clocks."""
+    summary.phases[phase] = dataclasses.replace(
+        summary.phases[phase], share=share, mean_ms=share * STEP_MS, device_share=share, device_mean_ms=share * STEP_MS
+    )
+    return summary
+
+
+@positive("zero_grad.set_to_none", 0.03, "zero_grad takes 3.00 ms per step (3%)")
+def zero_grad_keeps() -> Case:
+    return Case(with_facts(healthy(), zero_grad={"set_to_none": False}))
+
+
+@negative("zero_grad.set_to_none")
+def zero_grad_keeps_in_no_time() -> Case:
+    return Case(set_share(with_facts(healthy(), zero_grad={"set_to_none": False}), "zero_grad", 0.01))
+
+
+@negative("zero_grad.set_to_none")
+def zero_grad_not_seen() -> Case:
+    summary = healthy()
+    del summary.facts["zero_grad"]
+    return Case(summary, [LintHit("zero_grad_keep", 9, "opt.zero_grad(set_to_none=False)")])
+
+
+@positive("debug.anomaly", COMPUTE, "anomaly detection was on during the measured steps")
+def anomaly_on() -> Case:
+    return Case(with_facts(healthy(), torch=torch_flags(anomaly=True)))
+
+
+@positive("debug.anomaly", 0.7, "line 3: torch.autograd.set_detect_anomaly(True)")
+def anomaly_in_script_only() -> Case:
+    return Case(cpu_summary(), [LintHit("anomaly", 3, "torch.autograd.set_detect_anomaly(True)")])
+
+
+@negative("debug.anomaly")
+def anomaly_in_source_but_off_at_runtime() -> Case:
+    return Case(healthy(), [LintHit("anomaly", 3, "torch.autograd.set_detect_anomaly(args.debug)")])
+
+
+@positive("debug.profiler", None, "a torch profiler was recording during the measured steps")
+def profiler_on() -> Case:
+    return Case(with_facts(healthy(), torch=torch_flags(profiler=True)))
+
+
+@negative("debug.profiler")
+def profiler_in_source_only() -> Case:
+    return Case(healthy(), [LintHit("profiler", 20, "with torch.profiler.profile() as prof:")])
+
+
+@positive("debug.gradcheck", None, "line 7: torch.autograd.gradcheck(f, (x,))")
+def gradcheck_in_script() -> Case:
+    return Case(healthy(), [LintHit("gradcheck", 7, "torch.autograd.gradcheck(f, (x,))")])
+
+
+@negative("debug.gradcheck")
+def other_lint_only() -> Case:
+    return Case(healthy(), [LintHit("checkpoint", 7, "checkpoint(block, x)")])
+
+
+@positive("debug.deterministic", COMPUTE, "deterministic_algorithms and cudnn_deterministic on")
+def deterministic_on() -> Case:
+    return Case(with_facts(healthy(), torch=torch_flags(deterministic_algorithms=True, cudnn_deterministic=True)))
+
+
+@negative("debug.deterministic")
+def deterministic_on_cpu() -> Case:
+    return Case(cpu_summary(facts={"torch": torch_flags(deterministic_algorithms=True)}))
+
+
+@positive(
+    "precision.bf16", COMPUTE, "NVIDIA A100-SXM4-80GB supports bfloat16; the model trains in float32 with no autocast"
+)
+def float32_on_ampere() -> Case:
+    return Case(fp32_no_autocast())
+
+
+@negative("precision.bf16")
+def float32_without_bf16() -> Case:
+    summary = fp32_no_autocast()
+    summary.facts["device"].update(capability=[7, 0], name="Tesla V100-SXM2-32GB", bf16=False)
+    return Case(summary)
+
+
+@negative("precision.bf16")
+def bf16_autocast_already() -> Case:
+    return Case(healthy())
+
+
+@positive(
+    "sdpa.math", COMPUTE, "no fused attention kernel accepts the inputs (float32 inputs, an explicit attention mask)"
+)
+def attention_on_math_kernel() -> Case:
+    math = {"dtype": "float32", "head_dim": 64, "mask": True, "flash": False, "efficient": False, "cudnn": False}
+    return Case(with_facts(healthy(), sdpa=[FLASH, math]))
+
+
+@negative("sdpa.math")
+def attention_with_efficient_kernel_only() -> Case:
+    efficient = {**FLASH, "dtype": "float32", "flash": False, "efficient": True}
+    return Case(with_facts(healthy(), sdpa=[efficient]))
+
+
+def dynamo(**changes: Any) -> dict[str, Any]:
+    return {**healthy_facts()["dynamo"], **changes}
+
+
+@positive("compile.recompile_limit", None, "2 function(s) hit the recompile limit")
+def recompile_limit() -> Case:
+    return Case(with_facts(healthy(), dynamo=dynamo(recompile_limit_hits=2)))
+
+
+@negative("compile.recompile_limit")
+def no_compile() -> Case:
+    summary = healthy()
+    del summary.facts["dynamo"]
+    return Case(summary)
+
+
+@positive("compile.graph_breaks", None, "5× print (builtin)")
+def graph_breaks() -> Case:
+    return Case(with_facts(healthy(), dynamo=dynamo(graph_breaks={"Tensor.item": 3, "print (builtin)": 5})))
+
+
+@negative("compile.graph_breaks")
+def compiled_without_breaks() -> Case:
+    return Case(healthy())
+
+
+@positive("memory.checkpointing", 0.3, "12 checkpointed region(s) per step")
+def checkpointing_with_headroom() -> Case:
+    summary = healthy(counters={"checkpoint_calls": 12.0})
+    summary.facts["device"]["peak_allocated_mb"] = 20480.0  # 25%
+    return Case(summary)
+
+
+@negative("memory.checkpointing")
+def checkpointing_near_capacity() -> Case:
+    return Case(healthy(counters={"checkpoint_calls": 12.0}))  # peak 73%
+
+
+@negative("memory.checkpointing")
+def headroom_without_checkpointing() -> Case:
+    summary = healthy()
+    summary.facts["device"]["peak_allocated_mb"] = 20480.0
+    return Case(summary)
+
+
+@positive("memory.batch_size", None, "peak memory is 10% of the device")
+def small_batch() -> Case:
+    summary = healthy()
+    summary.facts["device"]["peak_allocated_mb"] = 8192.0
+    return Case(summary)
+
+
+@negative("memory.batch_size")
+def batch_uses_a_third() -> Case:
+    summary = healthy()
+    summary.facts["device"]["peak_allocated_mb"] = 27000.0  # 33%
+    return Case(summary)
+
+
+@negative("memory.batch_size")
+def small_batch_but_data_bound() -> Case:
+    summary = make_summary(DATA_BOUND, timing="cuda", facts={"device": device_fact(peak_allocated_mb=8192.0)})
+    return Case(summary)
+
+
+@positive("memory.alloc_retries", None, "7 allocator retries (cache flushes)")
+def alloc_retries() -> Case:
+    summary = healthy()
+    summary.facts["device"]["alloc_retries"] = 7
+    return Case(summary)
+
+
+@negative("memory.alloc_retries")
+def no_alloc_retries() -> Case:
+    return Case(healthy())
+
+
+@positive("host.sync", HOST_IDLE, "3.0 host-device syncs per step")
+def syncs_on_gpu() -> Case:
+    return Case(healthy(counters={"host_syncs": 3.0}))
+
+
+@positive("host.sync", None, "2.0 .item()/.tolist() calls per step in the script")
+def item_in_cpu_loop() -> Case:
+    phases = {"data_wait": 0.1, "forward": 0.3, "backward": 0.4, "optimizer": 0.1, "sync": 0.05, "other": 0.05}
+    summary = cpu_summary(phases, counters={"item_calls": 2.0})
+    return Case(summary, [LintHit("loop_sync", 54, "total += loss.item()")])
+
+
+@negative("host.sync")
+def sync_every_other_step() -> Case:
+    return Case(healthy(counters={"host_syncs": 0.5}))
+
+
+@negative("host.sync")
+def item_outside_the_loop_on_cpu() -> Case:
+    return Case(cpu_summary(counters={"item_calls": 2.0}))  # no loop_sync hit: the reads are not in the loop
+
+
+LAUNCH_GPU = {"h2d": 0.02, "forward": 0.1, "backward": 0.15, "optimizer": 0.03, "zero_grad": 0.01}
+LAUNCH = "GPU 0 had a kernel running 97% of the time but drew 90 W of its 400 W limit (22%)"
+
+
+@positive("host.launch_bound", 0.64, "the GPU had no work for 64% of the step outside data waits")
+def gpu_starved() -> Case:
+    return Case(healthy(device=LAUNCH_GPU))  # busy 0.29, data 0.07
+
+
+@positive("host.launch_bound", HOST_IDLE, LAUNCH)
+def launch_bound_signal() -> Case:
+    return Case(healthy(signals=[{"id": "launch_bound", "evidence": LAUNCH}]))
+
+
+@negative("host.launch_bound")
+def host_timed_run() -> Case:
+    return Case(cpu_summary({"forward": 0.1, "backward": 0.1, "sync": 0.3, "other": 0.5}))
+
+
+@positive("host.threads", None, "32 torch threads × 2 rank(s) for a 16 usable cores")
+def threads_oversubscribed() -> Case:
+    return Case(with_facts(healthy(), threads=threads_fact(torch_threads=32, local_ranks=2)))
+
+
+@positive("host.threads", None, "set in the environment: OMP_NUM_THREADS=8")
+def threads_over_quota() -> Case:
+    return Case(
+        with_facts(healthy(world_size=1), threads=threads_fact(torch_threads=8, cpu_quota=2.5, OMP_NUM_THREADS="8"))
+    )
+
+
+@negative("host.threads")
+def threads_fill_the_cores() -> Case:
+    return Case(with_facts(healthy(), threads=threads_fact(torch_threads=8, local_ranks=2)))  # 8 × 2 ranks = 16 cores
+
+
+@negative("host.threads")
+def threads_within_fractional_quota() -> Case:
+    return Case(with_facts(healthy(world_size=1), threads=threads_fact(torch_threads=2, cpu_quota=1.5)))
+
+
+def ddp_model(**ddp: Any) -> dict[str, Any]:
+    fact = model_fact()
+    fact["ddp"].update(ddp)
+    return fact
+
+
+@positive(
+    "ddp.find_unused_parameters",
+    0.3,
+    "the parameter audit over 5 backward pass(es) found no parameter without a gradient",
+)
+def find_unused_needlessly() -> Case:
+    summary = with_facts(healthy(), models=[ddp_model(find_unused_parameters=True)])
+    return Case(
+        summary, [LintHit("find_unused_parameters", 40, "DistributedDataParallel(m, find_unused_parameters=True)")]
+    )
+
+
+@negative("ddp.find_unused_parameters")
+def find_unused_with_unused_parameter() -> Case:
+    unused = [{"name": "aux_head.weight", "module": "aux_head", "numel": 512, "aliases": [], "reached_steps": None}]
+    summary = with_facts(healthy(params=[audit(unused=unused)]), models=[ddp_model(find_unused_parameters=True)])
+    return Case(summary)
+
+
+@negative("ddp.find_unused_parameters")
+def find_unused_with_conditional_parameter() -> Case:
+    conditional = [{"name": "branch.weight", "module": "branch", "numel": 64, "aliases": [], "reached_steps": 2}]
+    summary = with_facts(
+        healthy(params=[audit(conditional=conditional)]), models=[ddp_model(find_unused_parameters=True)]
+    )
+    return Case(summary)
+
+
+@negative("ddp.find_unused_parameters")
+def find_unused_without_audit() -> Case:
+    return Case(with_facts(healthy(params=[]), models=[ddp_model(find_unused_parameters=True)]))
+
+
+@positive("ddp.gradient_as_bucket_view", 0.45, "gradient_as_bucket_view=False (bucket_cap_mb=25)")
+def gradients_copied_into_buckets() -> Case:
+    return Case(with_facts(healthy(), models=[ddp_model(gradient_as_bucket_view=False)]))
+
+
+@negative("ddp.gradient_as_bucket_view")
+def not_ddp() -> Case:
+    return Case(with_facts(healthy(), models=[_plain_model()]))
+
+
+@positive("fsdp.prefetch", COMPUTE, "backward_prefetch=None, forward_prefetch=False")
+def fsdp_without_prefetch() -> Case:
+    model = fsdp_model(param_mb=8192.0, backward_prefetch=None, forward_prefetch=False)
+    return Case(with_facts(healthy(), models=[model]))
+
+
+@negative("fsdp.prefetch")
+def fsdp_prefetching() -> Case:
+    return Case(with_facts(healthy(), models=[fsdp_model(param_mb=8192.0)]))
+
+
+@positive("fsdp.full_shard_fits", COMPUTE, "an unsharded replica needs ~16.0 GiB of 80 GiB")
+def full_shard_of_a_small_model() -> Case:
+    # 1 GiB shard × 4 ranks × (param, grad, 2 Adam moments) = 16 GiB, under 60% of 80 GiB
+    return Case(with_facts(healthy(world_size=4), models=[fsdp_model(param_mb=1024.0)]))
+
+
+@negative("fsdp.full_shard_fits")
+def full_shard_of_a_large_model() -> Case:
+    return Case(with_facts(healthy(world_size=4), models=[fsdp_model(param_mb=4096.0)]))  # 64 GiB > 48 GiB
+
+
+@negative("fsdp.full_shard_fits")
+def shard_grad_op_already() -> Case:
+    return Case(with_facts(healthy(world_size=4), models=[fsdp_model("SHARD_GRAD_OP", param_mb=1024.0)]))
+
+
+@positive("optimizer.fused", 0.08, "AdamW over 10 parameter tensors on cuda, default implementation")
+def adamw_default() -> Case:
+    return Case(with_facts(healthy(), optimizers=[optimizer_fact(fused=None)]))
+
+
+@positive("optimizer.fused", 0.1, "AdamW over 10 parameter tensors on cpu, per-parameter loop implementation")
+def adamw_cpu_loop() -> Case:
+    return Case(cpu_summary(facts={"optimizers": [optimizer_fact(fused=None, device="cpu")]}))
+
+
+@negative("optimizer.fused")
+def adamw_default_in_no_time() -> Case:
+    return Case(set_share(with_facts(healthy(), optimizers=[optimizer_fact(fused=None)]), "optimizer", 0.01))
+
+
+@negative("optimizer.fused")
+def optimizer_without_fused_kernel() -> Case:
+    sgd = optimizer_fact(type="RMSprop", fused=None, has_fused=False, foreach=None)
+    return Case(with_facts(healthy(), optimizers=[sgd]))  # on CUDA the default is foreach: nothing to do
+
+
+@positive("optimizer.foreach", 0.08, "RMSprop over 10 parameter tensors runs its per-parameter loop")
+def rmsprop_foreach_off() -> Case:
+    opt = optimizer_fact(type="RMSprop", fused=None, has_fused=False, foreach=False)
+    return Case(with_facts(healthy(), optimizers=[opt]))
+
+
+@negative("optimizer.foreach")
+def rmsprop_foreach_on() -> Case:
+    opt = optimizer_fact(type="RMSprop", fused=None, has_fused=False, foreach=True)
+    return Case(with_facts(healthy(), optimizers=[opt]))
+
+
+@positive("hygiene.compile_in_window", None, "3 graph(s) compiled during the measured steps")
+def compiled_while_measuring() -> Case:
+    return Case(with_facts(healthy(), dynamo=dynamo(graphs=5, graphs_in_window=3)))
+
+
+@negative("hygiene.compile_in_window")
+def compile_window_unknown() -> Case:
+    return Case(with_facts(healthy(), dynamo=dynamo(graphs_in_window=None)))
+
+
+@positive("hygiene.warmup", None, "step time p95 350.0 ms against a median of 100.0 ms")
+def too_little_warmup() -> Case:
+    return Case(healthy(warmup=1, stats={"total": {"p95_ms": 350.0}}))
+
+
+@negative("hygiene.warmup")
+def slow_tail_after_enough_warmup() -> Case:
+    return Case(healthy(warmup=5, stats={"total": {"p95_ms": 350.0}}))
+
+
+@negative("hygiene.warmup")
+def little_warmup_steady_steps() -> Case:
+    return Case(healthy(warmup=1, stats={"total": {"p95_ms": 290.0}}))
+
+
+def _label(entry: tuple) -> str:
+    return f"{entry[0]}:{entry[1].__name__}"
+
+
+# -- the catalogue against the fixtures --------------------------------------------------------------------------
+
+
+def test_healthy_run_has_nothing_to_fix():
+    fixes, notes = diagnose(Case(healthy()))
+    assert (ids(fixes), notes) == ([], [])
+
+
+@pytest.mark.parametrize(("rule_id", "build", "gain", "evidence"), POSITIVE, ids=[_label(p) for p in POSITIVE])
+def test_rule_fires_on_its_fixture(rule_id: str, build: Builder, gain: float | None, evidence: str):
+    fixes = fired(build())
+    assert rule_id in fixes, f"{rule_id} did not fire; fired: {sorted(fixes)}"
+    fix = fixes[rule_id]
+    assert fix.gain_bound == gain
+    assert evidence in fix.evidence
+    entry = next(r for r in CATALOGUE if r.id == rule_id)
+    assert (fix.title, fix.why, fix.cost, fix.changes_numerics) == (
+        entry.title,
+        entry.why,
+        entry.cost,
+        entry.changes_numerics,
+    )
+    assert fix.gain_reason  # a bound, or why there is none
+
+
+@pytest.mark.parametrize(("rule_id", "build"), NEGATIVE, ids=[_label(n) for n in NEGATIVE])
+def test_rule_is_silent_on_a_near_miss(rule_id: str, build: Builder):
+    assert rule_id not in fired(build())
+
+
+def test_every_rule_has_a_positive_and_a_negative_fixture():
+    catalogue = {r.id for r in CATALOGUE}
+    assert len(catalogue) == len(CATALOGUE), "duplicate rule ids"
+    assert {p[0] for p in POSITIVE} == catalogue
+    assert {n[0] for n in NEGATIVE} == catalogue
+
+
+# Rules that read only the summary's figures or the script's lint, not runtime facts.
+SUMMARY_RULES = {
+    "loader.num_workers",
+    "loader.persistent_workers",
+    "loader.prefetch",
+    "loader.transform_bound",
+    "loader.io_bound",
+    "debug.anomaly",
+    "debug.gradcheck",
+    "host.sync",
+    "host.launch_bound",
+    "hygiene.warmup",
+}
+
+
+@pytest.mark.parametrize(("rule_id", "build", "gain", "evidence"), POSITIVE, ids=[_label(p) for p in POSITIVE])
+def test_absent_facts_silence_every_fact_rule(rule_id: str, build: Builder, gain: float | None, evidence: str):
+    case = build()
+    case.summary.facts = {}
+    fixes, notes = diagnose(case)
+    assert notes == []
+    assert set(ids(fixes)) <= SUMMARY_RULES
+    if rule_id in SUMMARY_RULES - {"debug.anomaly"}:  # anomaly mode may rest on the runtime flag
+        assert rule_id in ids(fixes)  # what it rests on is still measured
+
+
+def test_absent_facts_on_a_busy_summary_give_no_fix():
+    summary = make_summary(HOST_SHARES, device=GPU_SHARES, timing="cuda", loaders=[loader()], world_size=2)
+    assert diagnose(Case(summary)) == ([], [])
+
+
+def test_summary_without_phases_or_facts_gives_no_fix():
+    assert diagnose(Case(RunSummary())) == ([], [])
+
+
+# -- rule details the fixtures do not pin ------------------------------------------------------------------------
+
+
+def test_num_workers_evidence_and_hint_from_the_cores_per_rank():
+    fix = fired(workers_zero())["loader.num_workers"]
+    assert fix.evidence == [
+        "loader 0 (ToyDataset) has num_workers=0",
+        "data_wait is 60% of the step (60.0 ms of 100.0 ms)",
+    ]
+    assert fix.how == (
+        "DataLoader(..., num_workers=7, persistent_workers=True) (8 usable cores, 1 rank(s) on this machine)"
+    )
+    facts = {"threads": threads_fact(cores=8, local_ranks=2)}
+    two_ranks = make_summary(DATA_BOUND, loaders=[loader(num_workers=0)], facts=facts, world_size=2)
+    hits = [LintHit("num_workers_zero", 31, "DataLoader(ds, batch_size=32)")]
+    fix = fired(Case(two_ranks, hits))["loader.num_workers"]
+    assert fix.how == (
+        "DataLoader(..., num_workers=3, persistent_workers=True) (8 usable cores, 2 rank(s) on this machine)"
+    )
+    assert fix.evidence[-1] == "line 31: DataLoader(ds, batch_size=32)"
+
+
+def test_num_workers_without_core_count_keeps_the_generic_change():
+    summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=0)])
+    entry = next(r for r in CATALOGUE if r.id == "loader.num_workers")
+    assert fired(Case(summary))["loader.num_workers"].how == entry.how
+
+
+def test_num_workers_hint_respects_the_cgroup_quota():
+    facts = {"threads": threads_fact(cores=64, cpu_quota=2.0)}
+    fix = fired(Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=0)], facts=facts)))["loader.num_workers"]
+    assert fix.how == (
+        "DataLoader(..., num_workers=1, persistent_workers=True) (2 usable cores, 1 rank(s) on this machine)"
+    )
+    suggested = int(re.search(r"num_workers=(\d+)", fix.how).group(1))  # type: ignore[union-attr]
+    after = make_summary(DATA_BOUND, loaders=[loader(num_workers=suggested)], facts=facts)
+    assert "loader.too_many_workers" not in fired(Case(after))
+
+
+def test_persistent_workers_share_counts_only_restarts():
+    fix = fired(restarted_workers())["loader.persistent_workers"]
+    assert fix.evidence == [
+        "2 epoch restart(s) stalled 600 ms each before the first batch",
+        "the stalls are 4% of the time spent in those epochs",
+    ]
+
+
+def test_pin_memory_notes_non_blocking_copies_from_pageable_memory():
+    summary = healthy(loaders=[loader(pin_memory=False)])
+    summary.facts["h2d"]["pinned_source"] = 0  # 40 non-blocking copies, none from pinned memory
+    fix = fired(Case(summary))["loader.pin_memory"]
+    assert fix.evidence == [
+        "loader 0 has pin_memory=False and its batches are copied to the GPU",
+        "h2d is 2% of the step (2.00 ms)",
+        "the copies ask for non_blocking=True, which pageable memory cannot honour",
+    ]
+    assert "the copies ask" not in " ".join(fired(unpinned())["loader.pin_memory"].evidence)
+
+
+def test_prefetch_hint_doubles_a_deep_buffer():
+    assert fired(bursty_fetches())["loader.prefetch"].how == "DataLoader(..., prefetch_factor=4) or more workers"
+    deep = make_summary(PREFETCH_PHASES, loaders=[loader(prefetch_factor=4)], stats=BURSTY)
+    assert fired(Case(deep))["loader.prefetch"].how == "DataLoader(..., prefetch_factor=8) or more workers"
+
+
+def test_too_many_workers_counts_every_rank_on_the_cores():
+    facts = {"threads": threads_fact(cores=8, local_ranks=2)}
+    summary = healthy(loaders=[loader(num_workers=5)], facts=facts, world_size=2)
+    fix = fired(Case(summary))["loader.too_many_workers"]
+    assert fix.evidence == ["loader 0: 5 workers × 2 rank(s) for 8 usable cores"]
+
+
+def test_threads_fact_without_local_ranks_counts_one_rank():
+    threads = threads_fact(cores=8)
+    del threads["local_ranks"]  # not launched by torchrun
+    summary = healthy(loaders=[loader(num_workers=5)], facts={"threads": threads}, world_size=2)
+    assert Case(summary).local_ranks() == 1
+    assert "loader.too_many_workers" not in fired(Case(summary))  # 5 workers × 1 rank on 8 cores
+
+
+def test_a_multi_node_run_is_judged_per_machine():
+    # 16 ranks on two machines, 8 per machine, 64 cores each: the other machine's ranks use their own cores.
+    threads = threads_fact(torch_threads=8, cores=64, local_ranks=8)
+    starved = make_summary(DATA_BOUND, loaders=[loader(num_workers=0)], facts={"threads": threads}, world_size=16)
+    assert fired(Case(starved))["loader.num_workers"].how == (
+        "DataLoader(..., num_workers=7, persistent_workers=True) (64 usable cores, 8 rank(s) on this machine)"
+    )
+    fitting = healthy(loaders=[loader(num_workers=8)], facts={"threads": threads}, world_size=16)
+    assert "loader.too_many_workers" not in fired(Case(fitting))  # 8 workers × 8 ranks = 64 cores
+    assert "host.threads" not in fired(Case(fitting))  # 8 threads × 8 ranks = 64 cores
+    over = healthy(
+        loaders=[loader(num_workers=9)],
+        facts={"threads": threads_fact(torch_threads=9, cores=64, local_ranks=8)},
+        world_size=16,
+    )
+    fixes = fired(Case(over))
+    assert fixes["loader.too_many_workers"].evidence == ["loader 0: 9 workers × 8 rank(s) for 64 usable cores"]
+    assert fixes["host.threads"].evidence == ["9 torch threads × 8 rank(s) for a 64 usable cores"]
+    assert fixes["host.threads"].how == "torch.set_num_threads(8) (or OMP_NUM_THREADS)"
+
+
+def test_graph_breaks_are_listed_most_frequent_first():
+    assert fired(graph_breaks())["compile.graph_breaks"].evidence == [
+        "8 graph break(s)",
+        "5× print (builtin)",
+        "3× Tensor.item",
+    ]
+
+
+def test_sdpa_names_an_odd_head_dim():
+    odd = {"dtype": "bfloat16", "head_dim": 300, "mask": False, "flash": False, "efficient": False, "cudnn": False}
+    fix = fired(Case(with_facts(healthy(), sdpa=[odd])))["sdpa.math"]
+    assert fix.evidence == ["no fused attention kernel accepts the inputs (head_dim 300)"]
+
+
+def test_threads_hint_divides_the_quota_among_ranks():
+    assert fired(threads_oversubscribed())["host.threads"].how == "torch.set_num_threads(8) (or OMP_NUM_THREADS)"
+    fix = fired(threads_over_quota())["host.threads"]
+    assert fix.evidence[0] == "8 torch threads × 1 rank(s) for a cgroup quota of 2.5 cores"
+    assert fix.how == "torch.set_num_threads(2) (or OMP_NUM_THREADS)"
+
+
+def test_host_sync_on_gpu_cites_the_loop_line():
+    hits = [LintHit("loop_sync", 54, "total += loss.item()")]
+    fix = fired(Case(healthy(counters={"host_syncs": 3.0}), hits))["host.sync"]
+    assert fix.evidence == [
+        "3.0 host-device syncs per step",
+        "the GPU had no work for 7% of the step",
+        "line 54: total += loss.item()",
+    ]
+
+
+def test_host_sync_on_cpu_has_no_bound():
+    fix = fired(item_in_cpu_loop())["host.sync"]  # the run spent 5% in sync: not what a GPU would lose
+    assert (fix.gain_bound, fix.gain_reason) == (
+        None,
+        "on this CPU run a scalar read waits for no device, so it cannot be bounded here; on a GPU it stalls each step",
+    )
+    assert fix.evidence == ["2.0 .item()/.tolist() calls per step in the script", "line 54: total += loss.item()"]
+
+
+def test_anomaly_without_measured_steps_has_no_bound():
+    summary = cpu_summary(measured=0)
+    fix = fired(Case(summary, [LintHit("anomaly", 3, "torch.autograd.set_detect_anomaly(True)")]))["debug.anomaly"]
+    assert fix.gain_bound is None
+    assert fix.evidence == ["the script enables it", "line 3: torch.autograd.set_detect_anomaly(True)"]
+
+
+def test_lint_evidence_is_capped_at_three_lines():
+    hits = [LintHit("gradcheck", line, f"gradcheck(f, x{line})") for line in (3, 5, 8, 13)]
+    assert fired(Case(healthy(), hits))["debug.gradcheck"].evidence == [
+        "line 3: gradcheck(f, x3)",
+        "line 5: gradcheck(f, x5)",
+        "line 8: gradcheck(f, x8)",
+    ]
+
+
+def test_optimizer_fused_names_the_class_in_its_change():
+    assert fired(adamw_default())["optimizer.fused"].how == "torch.optim.AdamW(params, ..., fused=True)"
+    assert fired(rmsprop_foreach_off())["optimizer.foreach"].how == "torch.optim.RMSprop(..., foreach=True)"
+
+
+def test_foreach_left_to_the_default_loops_only_on_cpu():
+    cpu = optimizer_fact(type="RMSprop", fused=None, has_fused=False, foreach=None, device="cpu")
+    fix = fired(Case(cpu_summary(facts={"optimizers": [cpu]})))["optimizer.foreach"]
+    assert fix.gain_bound == 0.1
+
+
+def test_bf16_is_not_advised_on_volta_even_when_torch_emulates_it():
+    summary = fp32_no_autocast()
+    summary.facts["device"].update(capability=[7, 0], name="Tesla V100-SXM2-32GB", bf16=True)
+    assert "precision.bf16" not in fired(Case(summary))
+
+
+NOISE = {"shape": [64, 100, 1, 1], "dtype": "float32", "device": "cuda", "channels_last": False}
+FAKE_IMAGE = {"shape": [64, 3, 64, 64], "dtype": "float32", "device": "cuda", "channels_last": False}
+
+
+def gan(inputs: list[dict[str, Any]], **flags: Any) -> Case:
+    """A GAN: a generator fed noise and a discriminator fed images, 5 convolutions each."""
+    generator = _plain_model() | {"type": "Generator"}
+    discriminator = _plain_model() | {"type": "Discriminator"}
+    facts = {"models": [generator, discriminator], "inputs": inputs, "autocast": {}, "torch": torch_flags(**flags)}
+    return Case(with_facts(healthy(), **facts))
+
+
+def test_two_models_with_one_fixed_shape_each_are_not_varying():
+    inputs = [NOISE | {"model": "Generator"}, FAKE_IMAGE | {"model": "Discriminator"}]
+    assert "cudnn.benchmark_varying" not in fired(gan(inputs))
+    fix = fired(gan(inputs, cudnn_benchmark=False))["cudnn.benchmark"]
+    assert fix.evidence == [
+        "10 convolution layer(s), fixed input shape(s) [64, 100, 1, 1], [64, 3, 64, 64] in the probed steps",
+        "torch.backends.cudnn.benchmark is False",
+    ]
+
+
+def test_varying_shapes_name_the_model_that_sees_them():
+    inputs = [
+        NOISE | {"model": "Generator"},
+        FAKE_IMAGE | {"model": "Discriminator"},
+        {**FAKE_IMAGE, "shape": [64, 3, 128, 128], "model": "Discriminator"},
+    ]
+    fix = fired(gan(inputs))["cudnn.benchmark_varying"]
+    assert fix.evidence == ["Discriminator: 2 input shapes in the probed steps ([64, 3, 64, 64], [64, 3, 128, 128])"]
+    assert "cudnn.benchmark" not in fired(gan(inputs, cudnn_benchmark=False))
+
+
+def test_inputs_without_a_model_name_are_pooled_as_one_model():
+    # summaries written before the tracker named the model: every first input counts as the same model's
+    fix = fired(gan([NOISE, FAKE_IMAGE]))["cudnn.benchmark_varying"]
+    assert fix.evidence == ["2 input shapes in the probed steps ([64, 100, 1, 1], [64, 3, 64, 64])"]
+    assert "cudnn.benchmark" not in fired(gan([NOISE, FAKE_IMAGE], cudnn_benchmark=False))
+
+
+def test_find_unused_needs_an_audit_that_saw_a_backward_pass():
+    summary = with_facts(healthy(params=[audit(steps=0)]), models=[ddp_model(find_unused_parameters=True)])
+    assert "ddp.find_unused_parameters" not in fired(Case(summary))
+
+
+# -- ranking and failures ----------------------------------------------------------------------------------------
+
+
+def test_real_rules_rank_by_cost_then_gain_with_unbounded_last():
+    summary = fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False)
+    summary.facts["optimizers"] = [optimizer_fact(fused=None)]
+    summary.facts["threads"] = threads_fact(cpu_quota=4.0)
+    summary.meta.world_size = 1
+    summary.loaders = [loader(num_workers=8)]
+    summary.system = {"signals": [{"id": "io_bound", "evidence": IO}]}
+    hits = [LintHit("gradcheck", 7, "torch.autograd.gradcheck(f, (x,))")]
+    fixes, notes = diagnose(Case(summary, hits))
+    assert notes == []
+    assert [(f.id, f.cost, f.gain_bound) for f in fixes] == [
+        ("tf32", "config", COMPUTE),
+        ("optimizer.fused", "config", 0.08),
+        ("loader.too_many_workers", "config", None),
+        ("precision.bf16", "code", COMPUTE),
+        ("debug.gradcheck", "code", None),
+        ("loader.io_bound", "infra", 0.05),
+    ]
+
+
+def _fake(rule_id: str, cost: str, gain: float | None) -> Rule:
+    return Rule(rule_id, rule_id, "why", "how", cost, False, lambda case: Finding([rule_id], gain, "reason"))
+
+
+def test_ranking_is_cost_first_then_larger_bound_then_unbounded(monkeypatch: pytest.MonkeyPatch):
+    fakes = [
+        _fake("infra.big", "infra", 0.9),
+        _fake("code.none", "code", None),
+        _fake("config.none", "config", None),
+        _fake("code.small", "code", 0.1),
+        _fake("config.small", "config", 0.05),
+        _fake("config.big", "config", 0.5),
+        _fake("code.big", "code", 0.7),
+        _fake("silent", "config", 0.9),
+    ]
+    fakes[-1] = Rule("silent", "silent", "why", "how", "config", False, lambda case: None)
+    monkeypatch.setattr(rules, "CATALOGUE", fakes)
+    fixes, notes = diagnose(Case(RunSummary()))
+    assert notes == []
+    assert ids(fixes) == [
+        "config.big",
+        "config.small",
+        "config.none",
+        "code.big",
+        "code.small",
+        "code.none",
+        "infra.big",
+    ]
+    assert [COSTS.index(f.cost) for f in fixes] == sorted(COSTS.index(f.cost) for f in fixes)
+
+
+def test_gain_bounds_are_clamped_to_a_fraction_and_rounded(monkeypatch: pytest.MonkeyPatch):
+    fakes = [_fake("over", "config", 1.7), _fake("under", "config", -0.2), _fake("fine", "config", 0.123456)]
+    monkeypatch.setattr(rules, "CATALOGUE", fakes)
+    fixes, _ = diagnose(Case(RunSummary()))
+    assert [(f.id, f.gain_bound) for f in fixes] == [("over", 1.0), ("fine", 0.1235), ("under", 0.0)]
+
+
+def test_a_rule_failing_on_malformed_facts_leaves_a_note_and_the_others_run():
+    summary = with_facts(healthy(), optimizers=[{"type": "Adam"}], torch=torch_flags(anomaly=True))
+    fixes, notes = diagnose(Case(summary))
+    assert notes == [
+        "rule optimizer.fused could not read the facts (KeyError: 'has_fused')",
+        "rule optimizer.foreach could not read the facts (KeyError: 'has_foreach')",
+    ]
+    assert ids(fixes) == ["debug.anomaly"]
+
+
+def test_a_device_fact_without_capability_fails_only_the_rules_that_read_it():
+    summary = fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False)
+    del summary.facts["device"]["capability"]
+    summary.facts["optimizers"] = [optimizer_fact(fused=None)]  # a rule that does not read the device
+    fixes, notes = diagnose(Case(summary))
+    assert notes == [
+        "rule tf32 could not read the facts (KeyError: 'capability')",
+        "rule precision.bf16 could not read the facts (KeyError: 'capability')",
+    ]
+    assert ids(fixes) == ["optimizer.fused"]
+
+
+# -- verdict.refine ------------------------------------------------------------------------------------------------
+
+COMPUTE_VERDICT = Verdict("compute", "high", ["backward is 45% GPU time (45.0 ms of a 100.0 ms step)"])
+DATA_VERDICT = Verdict("data", "high", ["data_wait is 60% of the step (60.0 ms of a 100.0 ms step)"])
+
+
+def test_refine_allocator_retries_make_it_memory():
+    summary = healthy(measured=20)
+    summary.facts["device"].update(alloc_retries=4, peak_reserved_mb=80100.0)
+    assert refine(summary, COMPUTE_VERDICT) == Verdict(
+        "memory",
+        "medium",
+        [
+            "4 CUDA allocator retries (cache flushes with a device sync) in 20 steps",
+            "peak memory 80100 of 81920 MB reserved",
+            *COMPUTE_VERDICT.evidence,
+        ],
+    )
+
+
+def test_refine_rare_allocator_retries_change_nothing():
+    summary = healthy(measured=40)
+    summary.facts["device"]["alloc_retries"] = 1  # 0.025 per step, under 0.05
+    assert refine(summary, COMPUTE_VERDICT) == COMPUTE_VERDICT
+
+
+def test_refine_launch_bound_turns_compute_into_host():
+    summary = healthy(signals=[{"id": "launch_bound", "evidence": LAUNCH}])
+    assert refine(summary, COMPUTE_VERDICT) == Verdict("host", "medium", [LAUNCH, *COMPUTE_VERDICT.evidence])
+
+
+def test_refine_launch_bound_leaves_a_data_verdict():
+    summary = healthy(signals=[{"id": "launch_bound", "evidence": LAUNCH}])
+    assert refine(summary, DATA_VERDICT) == DATA_VERDICT
+
+
+def test_refine_adds_transform_bound_evidence_to_a_data_verdict_only():
+    summary = healthy(signals=[{"id": "transform_bound", "evidence": TRANSFORM}])
+    assert refine(summary, DATA_VERDICT) == Verdict("data", "high", [*DATA_VERDICT.evidence, TRANSFORM])
+    assert refine(summary, COMPUTE_VERDICT) == COMPUTE_VERDICT
+
+
+def test_refine_adds_io_bound_evidence_to_a_data_verdict():
+    summary = healthy(signals=[{"id": "io_bound", "evidence": IO}])
+    assert refine(summary, DATA_VERDICT).evidence == [*DATA_VERDICT.evidence, IO]
+
+
+def test_refine_without_signals_or_facts_changes_nothing():
+    for summary in (healthy(), make_summary(DATA_BOUND)):
+        for verdict in (COMPUTE_VERDICT, DATA_VERDICT, Verdict("host", "medium", ["other is 50%"])):
+            assert refine(summary, verdict) == verdict
+
+
+def test_refine_cites_throttling_and_the_straggler():
+    throttled = "GPU 0 had its clocks held down by thermal in 40% of samples."
+    summary = healthy(signals=[{"id": "throttled", "evidence": throttled}])
+    summary.cluster = Cluster(2, [0, 1], 640.0, straggler=Straggler(rank=1, phase="data_wait", excess_ms=12.5))
+    assert refine(summary, COMPUTE_VERDICT).evidence == [
+        *COMPUTE_VERDICT.evidence,
+        throttled,
+        "rank 1 is the straggler: its data_wait is 12.5 ms above the median of the other ranks",
+    ]
