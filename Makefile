@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Users bring their own torch; this pins the CPU build used for development and CI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo doctor-demo test lint bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/stepscope run --warmup 10 --steps 50 --json out/demo-summary.json examples/plain_train.py
 
+doctor-demo: $(VENV)/.installed
+	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
+
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q
 
@@ -25,6 +28,10 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/overhead.py
+
+# docs/fixes.md is generated from the fix catalogue (a test checks it is current).
+docs: $(VENV)/.installed
+	$(PY) -m stepscope.doctor.rules > docs/fixes.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
