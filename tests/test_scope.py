@@ -2,10 +2,12 @@
 
 import io
 import logging
+import time
 
 import pytest
 
 from stepscope import Scope
+from stepscope.scope import NO_COLLECTORS
 
 
 def ms(seconds):
@@ -517,3 +519,45 @@ def test_positional_arguments_follow_the_signature(clock):
             clock.advance(1)
         scope.step()
     assert scope.summary().steps.warmup == 3
+
+
+def test_scope_samples_the_system_from_the_first_measured_step_until_close():
+    import threading
+
+    scope = Scope(warmup=1, system_interval_s=0.05)
+    assert scope._collectors is NO_COLLECTORS  # warming up: nothing sampled yet
+    for _ in range(3):
+        with scope.phase("forward"):
+            time.sleep(0.05)
+        scope.step(batch_size=4)
+    thread = scope._collectors._thread
+    assert thread.is_alive()
+    scope.close()
+    assert not thread.is_alive()
+    system = scope.summary().system
+    assert system["samples"] >= 1 and system["host"]["cores"] >= 1
+    assert system["gpu"] == {"available": False, "reason": "this process uses no CUDA device.", "devices": []}
+    assert scope.summary().system == system  # closed: the figures no longer change
+    before = {t for t in threading.enumerate() if t.name == "stepscope-collectors"}
+    off = Scope(warmup=0, system_interval_s=None)
+    off.step()
+    assert off.summary().system == {}
+    assert {t for t in threading.enumerate() if t.name == "stepscope-collectors"} == before
+
+
+def test_a_scope_dropped_without_close_stops_its_sampler():
+    import gc
+
+    scope = Scope(warmup=0, system_interval_s=0.05)
+    thread = scope._collectors._thread
+    assert thread.is_alive()
+    del scope
+    gc.collect()
+    thread.join(timeout=3)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("interval", [0, -1, 0.01])
+def test_system_interval_is_checked_up_front(interval):
+    with pytest.raises(ValueError):
+        Scope(system_interval_s=interval)

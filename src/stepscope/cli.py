@@ -22,8 +22,9 @@ RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] |
 PARAMS_USAGE = "stepscope params [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 DOCTOR_USAGE = "stepscope doctor [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 # Options of the verbs that run a script and take a value: the script's own arguments start after them.
-_VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s"}
+_VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s", "--sample-hz"}
 _SCRIPT_VERBS = ("run", "params", "doctor")
+SAMPLE_HELP = "host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off (default 1)"
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -68,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         stop=not args.no_stop,
         batch_size=args.batch_size,
         checkpoint_s=args.checkpoint_s,
+        system_interval_s=_interval(args.sample_hz),
     )
     code, summary = run(target, config)
     sys.stdout.flush()
@@ -88,7 +90,13 @@ def _params(args: argparse.Namespace) -> int:
 
     target = _target(args.command, PARAMS_USAGE)
     config = RunConfig(
-        out_dir="", warmup=0, steps=0, stop=False, params_steps=args.steps, include_zero_grad=args.include_zero_grad
+        out_dir="",
+        warmup=0,
+        steps=0,
+        stop=False,
+        params_steps=args.steps,
+        include_zero_grad=args.include_zero_grad,
+        system_interval_s=None,
     )
     code, summary = run(target, config)
     ranks = summary.ranks or [summary]
@@ -117,6 +125,7 @@ def _doctor(args: argparse.Namespace) -> int:
         steps=args.steps,
         checkpoint_s=args.checkpoint_s,
         batch_size=args.batch_size,
+        system_interval_s=_interval(args.sample_hz),
         # The parameter audit's hooks run during the first warm-up passes only, then come off.
         params_steps=max(1, min(3, args.warmup)),
         audit_continue=True,
@@ -130,6 +139,18 @@ def _doctor(args: argparse.Namespace) -> int:
         summary.to_json(args.json)
         print(f"summary written to {args.json}")
     return code
+
+
+def _interval(sample_hz: float) -> float | None:
+    return None if sample_hz == 0 else 1.0 / sample_hz
+
+
+def _sample_hz(text: str) -> float:
+    """An argparse type: a sampling rate in Hz, 0 (off) or up to 20."""
+    value = float(text)
+    if not (value == 0 or 0 < value <= 20):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or in (0, 20] Hz, got {text}")
+    return value
 
 
 class UsageError(Exception):
@@ -174,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="each process writes its figures so far this often (s), so a killed process still leaves them",
     )
+    run.add_argument("--sample-hz", type=_sample_hz, default=1.0, help=SAMPLE_HELP)
     run.set_defaults(func=_run)
 
     params = commands.add_parser(
@@ -205,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--checkpoint-s", type=float, default=30.0, help="each process writes its figures so far this often (s)"
     )
+    doctor.add_argument("--sample-hz", type=_sample_hz, default=4.0, help=SAMPLE_HELP.replace("default 1", "default 4"))
     doctor.set_defaults(func=_doctor)
     return parser
 

@@ -17,6 +17,7 @@ import os
 import platform
 import socket
 import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -83,8 +84,24 @@ class NullScope:
     def print_table(self, file: Any = None) -> None:
         return None
 
+    def close(self) -> None:
+        return None
+
 
 NULL_SCOPE = NullScope()
+
+
+class _NoCollectors:
+    """The system sampler of a Scope that samples nothing (``system_interval_s=None``, or before measuring)."""
+
+    def peek(self, steps: int | None = None, samples: int | None = None) -> dict[str, Any]:
+        return {}
+
+    def stop(self, steps: int | None = None, samples: int | None = None) -> dict[str, Any]:
+        return {}
+
+
+NO_COLLECTORS = _NoCollectors()
 
 
 class _HostPhase:
@@ -182,6 +199,9 @@ class Scope:
         window: steps in the window behind ``metrics()`` and ``postfix()``.
         timing: "auto" (CUDA events once CUDA is in use when measuring starts), "host", or "cuda".
         exact_limit: steps kept exactly for quantiles; past it, quantiles have <= 1% relative error.
+        system_interval_s: seconds between samples of host CPU/memory and GPU utilisation, clocks, power and energy
+            (NVML), from the first measured step until ``close()``; 0.05 (20 Hz) at the fastest; None samples
+            nothing. At 1 s the sampler thread costs ~0.1% of one core (docs/benchmarks.md).
         clock: nanosecond clock (a seam for tests); events: device event source (a seam for tests).
     """
 
@@ -199,11 +219,18 @@ class Scope:
         window: int = 20,
         timing: str = "auto",
         exact_limit: int = 10_000,
+        system_interval_s: float | None = 1.0,
         clock: Clock = now_ns,
         events: EventSource | None = None,
     ) -> None:
         if timing not in TIMINGS:
             raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+        if system_interval_s is not None:
+            from stepscope.collectors.sampler import check_interval
+
+            system_interval_s = check_interval(system_interval_s)
+        self._system_interval_s = system_interval_s
+        self._collectors: Any = NO_COLLECTORS
         if timing == "cuda" and events is None and not _cuda_available():
             raise ValueError("timing='cuda' needs a CUDA device, and torch sees none: use timing='auto' or 'host'.")
         self._recorder = Recorder(warmup=warmup, window=window, exact_limit=exact_limit)
@@ -304,6 +331,11 @@ class Scope:
             self._fail(error)
         summary = summarize(self._recorder, self._timing_used)
         summary.meta = self._meta()
+        recorder = self._recorder
+        try:
+            summary.system = self._collectors.peek(steps=recorder.measured, samples=recorder.samples or None)
+        except Exception as error:
+            summary.notes.append(f"the system figures could not be read ({type(error).__name__}: {error})")
         if self._device.dropped_steps:
             summary.notes.append(
                 f"device time missing for {self._device.dropped_steps} step(s) whose events never completed."
@@ -317,6 +349,17 @@ class Scope:
         from stepscope.report.terminal import print_summary
 
         print_summary(self.summary(), file=file)
+
+    def close(self) -> None:
+        """Stop the system sampler (its thread is a daemon: a scope never closed does not keep the process
+        alive). ``summary()`` still works after it, with the figures up to the close."""
+        collectors, self._collectors = self._collectors, NO_COLLECTORS
+        try:
+            final = collectors.stop(steps=self._recorder.measured, samples=self._recorder.samples or None)
+        except Exception as error:
+            self._fail(error)
+            return
+        self._collectors = _Closed(final)
 
     # -- internals ----------------------------------------------------------------------------------------------
 
@@ -358,6 +401,16 @@ class Scope:
             self._timing_used = "cuda"
             self._phase_type = _CudaPhase
             self._phases = {}
+        if self._system_interval_s is not None:
+            from stepscope.collectors import start_collectors
+
+            devices = [sys.modules["torch"].cuda.current_device()] if cuda_in_use() else []
+            self._collectors = start_collectors(self._system_interval_s, devices=devices)
+            # A scope dropped without close() must not leave its sampler running (the thread holds no reference
+            # to the scope, so the scope can be collected).
+            weakref.finalize(self, self._collectors.stop)
+            if self._step_start_ns is not None:
+                self._step_start_ns = self._clock()  # starting the sampler is stepscope's time, not the step's
 
     def _fail(self, error: BaseException) -> None:
         """Stop measuring after an internal error; the training loop must go on."""
@@ -383,6 +436,18 @@ class Scope:
             hostname=socket.gethostname(),
             python_version=platform.python_version(),
         )
+
+
+class _Closed:
+    """The sampler's final figures, after ``Scope.close()``."""
+
+    def __init__(self, system: dict[str, Any]) -> None:
+        self._system = system
+
+    def peek(self, steps: int | None = None, samples: int | None = None) -> dict[str, Any]:
+        return self._system
+
+    stop = peek
 
 
 def enabled_scope(**kwargs: Any) -> Scope:

@@ -37,8 +37,6 @@ def lint_script(path: Path | None) -> tuple[list[LintHit], list[str]]:
 
 def examine(summary: RunSummary, lint: list[LintHit]) -> RunSummary:
     """Fill the summary's verdict, fixes and ``facts["lint"]``; returns the same summary."""
-    if summary.ranks and not summary.facts:
-        summary.facts = dict(summary.ranks[0].facts)
     if summary.ranks:
         audits = {r.meta.rank or 0: r.params for r in summary.ranks}
         combined = combine(audits)

@@ -139,10 +139,9 @@ def threads() -> dict[str, Any]:
     """Thread settings and the cores this process may use (affinity, and the cgroup quota when set)."""
     import torch
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
+
+    cores = usable_cores()
     return {
         "torch_threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
@@ -151,24 +150,6 @@ def threads() -> dict[str, Any]:
         "cpu_quota": cgroup_cpu_quota(),
         "local_ranks": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),  # ranks on this machine (torchrun)
     }
-
-
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """CPU quota of this process's cgroup, in cores (1.5 = one and a half cores); None when unlimited or unknown."""
-    try:
-        with open(f"{root}/cpu.max") as f:  # cgroup v2: "max 100000" or "150000 100000"
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(f"{root}/cpu/cpu.cfs_quota_us") as f:  # cgroup v1: -1 when unlimited
-            quota_us = int(f.read())
-        with open(f"{root}/cpu/cpu.cfs_period_us") as f:
-            period_us = int(f.read())
-        return None if quota_us <= 0 else quota_us / period_us
-    except (OSError, ValueError):
-        return None
 
 
 def dynamo_counters() -> dict[str, Any] | None:
@@ -203,21 +184,23 @@ def device() -> dict[str, Any] | None:
     CUDA was never initialised (reading these never synchronises)."""
     import torch
 
+    from stepscope.collectors.memory import device_memory
+
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    stats = torch.cuda.memory_stats(index)
+    memory = device_memory([index])
     return {
         "index": index,
         "name": props.name,
         "capability": [props.major, props.minor],
         "bf16": _bf16_native(),
         "total_mb": props.total_memory / MB,
-        "peak_allocated_mb": torch.cuda.max_memory_allocated(index) / MB,
-        "peak_reserved_mb": torch.cuda.max_memory_reserved(index) / MB,
-        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
-        "ooms": int(stats.get("num_ooms", 0)),
+        "peak_allocated_mb": memory["max_allocated_mb"],
+        "peak_reserved_mb": memory["max_reserved_mb"],
+        "alloc_retries": memory["alloc_retries"],
+        "ooms": memory["ooms"],
     }
 
 

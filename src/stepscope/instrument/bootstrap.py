@@ -81,7 +81,7 @@ def _start(config: Any) -> None:
         from stepscope.instrument.tracker import Tracker
         from stepscope.scope import enabled_scope
 
-        scope = enabled_scope(warmup=config.warmup)
+        scope = enabled_scope(warmup=config.warmup, system_interval_s=config.system_interval_s)
         tracker = Tracker(scope, config)
         install(tracker)
     except Exception as error:
@@ -143,6 +143,8 @@ def _write(tracker: Any, final: bool) -> None:
     try:
         from stepscope.doctor.verdict import classify
 
+        if final:
+            tracker.scope.close()  # the system sampler's last figures
         summary = tracker.summary(drain=final)
         rank, local_rank, world = _rank_meta()
         summary.meta.rank, summary.meta.local_rank, summary.meta.world_size = rank, local_rank, world

@@ -4,8 +4,10 @@ Pure functions over RunSummary: no collectives, so a rank that died cannot make 
 simply missing, and the merged summary says so.
 
 Merged figures: each phase statistic is the mean over ranks of that rank's statistic (p95 is the largest rank's
-p95); cluster samples/s is the sum over ranks; steps/s is the slowest rank's. ``cluster.phases`` gives each
-phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds the others up.
+p95); cluster samples/s is the sum over ranks; steps/s is the slowest rank's. Loaders, counters and runtime facts
+are the lowest rank's; ``system`` holds every rank's signals (each rank keeps its own system figures).
+``cluster.phases`` gives each phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds
+the others up.
 """
 
 from __future__ import annotations
@@ -71,6 +73,16 @@ def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
     return None
 
 
+def _rank_signals(ranks: list[RunSummary]) -> list[dict[str, str]]:
+    """Every rank's system signals (launch-bound, transform-bound, ...), each evidence naming its rank; the full
+    system figures stay in each rank's summary."""
+    return [
+        {"id": signal["id"], "evidence": f"rank {_rank(r)}: {signal.get('evidence', '')}"}
+        for r in ranks
+        for signal in r.system.get("signals", [])
+    ]
+
+
 def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSummary:
     """One summary for the run: per-rank summaries in ``ranks``, cluster figures in ``cluster``."""
     if not ranks:
@@ -131,6 +143,8 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         loaders=first.loaders,
         epochs=first.epochs,
         counters=first.counters,
+        facts=first.facts,
+        system={"signals": _rank_signals(ranks)},
         exit=worst,
         cluster=cluster,
     )

@@ -66,6 +66,7 @@ class RunConfig:
     params_steps: int | None = None  # `stepscope params`: audit parameters over this many backward passes, then stop
     include_zero_grad: bool = False
     audit_continue: bool = False  # `stepscope doctor`: after the audit's backward passes, go on training unwatched
+    system_interval_s: float | None = 1.0  # host/GPU sampling period over the measured steps; None: no sampling
 
 
 @dataclass

@@ -1,0 +1,246 @@
+"""Host readings: CPU of the training process and, apart, of its children; cores; RSS; free memory.
+
+psutil everywhere; on Linux the per-process figures read every sample (children, CPU times, RSS) come straight
+from /proc, at a fraction of psutil's cost. CPU percentages are computed from CPU-time deltas this source keeps
+itself (not ``psutil.cpu_percent``, whose module-level state another psutil user in the same process would
+disturb). 100% is one core.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from stepscope.collectors.stats import Stats, high, low, mean, rounded
+
+MB = 1024 * 1024
+BUSY_CHILD_PCT = 5.0  # of one core: a child below it is idle (e.g. torch.compile's pool of compile workers)
+
+
+class HostSource:
+    """Samples this process and its recursive children (DataLoader workers)."""
+
+    name = "host"
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self.notes: list[str] = []  # nothing host-side needs explaining yet; the sampler reads every source's notes
+        self._pid = self._proc.pid
+        self._cores = usable_cores(self._proc)
+        self._quota = cgroup_cpu_quota()
+        procfs = _has_procfs()
+        self._child_pids: Callable[[int], list[int]] = _procfs_child_pids if procfs else _psutil_child_pids
+        self._usage: Callable[[int], tuple[float, int]] = _procfs_usage if procfs else _psutil_usage
+        self._children: dict[int, float] = {}  # pid -> its CPU seconds at the previous sample
+        self._core_keys: list[str] = []
+        self._prev_t = 0.0
+        self._prev_cpu_s = 0.0
+        self._prev_cores: list[tuple[float, float]] = []
+
+    def start(self, now_s: float) -> None:
+        """Take the baselines the first sample's deltas are measured from."""
+        self._prev_t = now_s
+        self._prev_cpu_s = self._usage(self._pid)[0]
+        for pid in self._child_pids(self._pid):
+            try:
+                self._children[pid] = self._usage(pid)[0]
+            except (OSError, psutil.Error):
+                continue  # already gone
+        self._prev_cores = _core_times()
+        self._core_keys = [f"host/core/{i}" for i in range(len(self._prev_cores))]
+
+    def read(self, now_s: float) -> dict[str, float]:
+        """One sample: CPU % over the interval since the previous sample, RSS and available memory now."""
+        dt = now_s - self._prev_t
+        if dt <= 0:
+            return {}
+        self._prev_t = now_s
+        cpu_s, rss = self._usage(self._pid)
+        main_pct = 100.0 * (cpu_s - self._prev_cpu_s) / dt
+        self._prev_cpu_s = cpu_s
+
+        workers_s = 0.0
+        busy = 0
+        previous, alive = self._children, {}
+        for pid in self._child_pids(self._pid):
+            try:
+                child_s, child_rss = self._usage(pid)
+            except (OSError, psutil.Error):
+                continue  # exited between the listing and the read: its last partial interval is lost
+            # A child new since the previous sample started at 0 CPU seconds: all of it falls in this interval. So did
+            # one that reused the pid of a child that exited (its CPU time is below the old one's).
+            used_s = child_s - previous.get(pid, 0.0)
+            if used_s < 0:
+                used_s = child_s
+            workers_s += used_s
+            if used_s >= BUSY_CHILD_PCT / 100.0 * dt:
+                busy += 1
+            rss += child_rss
+            alive[pid] = child_s
+        self._children = alive
+
+        readings = {
+            "sys/cpu_util": main_pct,
+            "sys/workers_cpu_util": 100.0 * workers_s / dt,
+            "sys/rss_mb": rss / MB,
+            "sys/mem_available_mb": psutil.virtual_memory().available / MB,
+            "host/workers": float(len(alive)),
+            "host/busy_workers": float(busy),
+        }
+        cores = _core_times()
+        if len(cores) == len(self._prev_cores):  # a CPU hot-plugged mid-run: skip this sample's per-core figures
+            total_pct = 0.0
+            for key, (b1, t1), (b0, t0) in zip(self._core_keys, cores, self._prev_cores, strict=True):
+                pct = max(0.0, 100.0 * (b1 - b0) / (t1 - t0)) if t1 > t0 else 0.0  # float sums can dip below 0
+                readings[key] = pct
+                total_pct += pct
+            readings["sys/system_cpu_util"] = total_pct / len(cores)
+        self._prev_cores = cores
+        return readings
+
+    def section(self, stats: Stats) -> dict[str, Any]:
+        """The ``host`` section of the system dict."""
+        per_core = [mean(stats, key) for key in self._core_keys]
+        return {
+            "cpu_util_pct": rounded(mean(stats, "sys/cpu_util")),
+            "workers_cpu_util_pct": rounded(mean(stats, "sys/workers_cpu_util")),
+            "workers_max": int(high(stats, "host/workers") or 0),
+            "workers_busy_avg": rounded(mean(stats, "host/busy_workers"), 2),
+            "per_core_util_pct_avg": [rounded(v) for v in per_core] if None not in per_core else [],
+            "system_cpu_util_pct": rounded(mean(stats, "sys/system_cpu_util")),
+            "peak_rss_mb": rounded(high(stats, "sys/rss_mb")),
+            "mem_available_min_mb": rounded(low(stats, "sys/mem_available_mb")),
+            "cores": self._cores,
+            "cpu_quota": rounded(self._quota, 2),
+        }
+
+    def close(self) -> None:
+        """Nothing to release: /proc reads and psutil hold no handles between samples."""
+
+
+def usable_cores(proc: psutil.Process | None = None) -> int:
+    """Cores this process may run on (its CPU affinity), or all logical cores where affinity is unknown."""
+    try:
+        return len((proc or psutil.Process()).cpu_affinity())
+    except (AttributeError, psutil.Error, OSError):  # no cpu_affinity on macOS
+        return os.cpu_count() or 1
+
+
+def cgroup_cpu_quota(
+    root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup"
+) -> float | None:
+    """The CPU quota of this process's cgroup in cores (e.g. 1.5), or None when unlimited or not on Linux.
+
+    cgroup v2: ``cpu.max`` ("max 100000" or "150000 100000"); v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
+    (quota -1 means unlimited). The process's own cgroup and each of its ancestors are checked, the tightest wins;
+    inside a container the cgroup often shows as "/", i.e. the mount root itself.
+    """
+    root = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    quotas = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            quotas += [_v2_quota(d) for d in _ancestors(root, path)]
+        elif "cpu" in controllers.split(","):
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                if mount.is_dir():
+                    quotas += [_v1_quota(d) for d in _ancestors(mount, path)]
+                    break
+    if not lines:
+        quotas += [_v2_quota(root), _v1_quota(root / "cpu")]
+    limits = [q for q in quotas if q is not None]
+    return min(limits) if limits else None
+
+
+def _ancestors(mount: Path, path: str) -> list[Path]:
+    """The cgroup directory of ``path`` under ``mount`` and each parent up to ``mount`` itself."""
+    parts = [p for p in path.split("/") if p]
+    return [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _v2_quota(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _procfs_usage(pid: int) -> tuple[float, int]:
+    """(CPU seconds, RSS bytes) of ``pid`` from one read of /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()  # the command name before ")" may hold spaces
+    # utime and stime only: reaped children's time (cutime, cstime) must not count as the parent's.
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK, int(fields[21]) * _PAGE
+
+
+def _psutil_usage(pid: int) -> tuple[float, int]:
+    proc = psutil.Process(pid)
+    times = proc.cpu_times()
+    return times.user + times.system, proc.memory_info().rss
+
+
+def _core_times() -> list[tuple[float, float]]:
+    """(busy, total) CPU seconds per logical core, system-wide."""
+    out = []
+    for t in psutil.cpu_times(percpu=True):
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # guest time is inside user/nice
+        out.append((total - t.idle - getattr(t, "iowait", 0.0), total))
+    return out
+
+
+def _has_procfs() -> bool:
+    """Linux with /proc/<pid>/task/<tid>/children (kernels built without CONFIG_PROC_CHILDREN lack it)."""
+    return os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def _procfs_child_pids(pid: int) -> list[int]:
+    """Recursive children from /proc/<pid>/task/<tid>/children: tens of µs, where psutil's children() reads every
+    process on the machine (milliseconds, growing with the machine's process count)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _psutil_child_pids(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
