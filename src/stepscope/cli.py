@@ -24,7 +24,6 @@ DOCTOR_USAGE = "stepscope doctor [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS
 # Options of the verbs that run a script and take a value: the script's own arguments start after them.
 _VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s", "--sample-hz"}
 _SCRIPT_VERBS = ("run", "params", "doctor")
-SAMPLE_HELP = "host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off (default 1)"
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -169,6 +168,27 @@ def _int_at_least(minimum: int) -> Any:
     return parse
 
 
+def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
+    """The options of the verbs that measure a run (run, doctor)."""
+    verb.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
+    verb.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop (default 200)")
+    verb.add_argument("--json", metavar="PATH", help="write the RunSummary here")
+    verb.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
+    verb.add_argument(
+        "--checkpoint-s",
+        type=float,
+        default=30.0,
+        help="each process writes its figures so far this often (s), so a killed process still leaves them",
+    )
+    verb.add_argument(
+        "--sample-hz",
+        type=_sample_hz,
+        default=sample_hz,
+        help=f"host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off "
+        f"(default {sample_hz:g})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepscope", description="Where does my PyTorch training step time go, and what to fix first."
@@ -184,18 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile an unmodified training script (or a torchrun/accelerate command) and name the bottleneck",
         usage=RUN_USAGE,
     )
-    run.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
-    run.add_argument("--steps", type=_int_at_least(0), default=200, help="steps to measure, then stop (default 200)")
+    _measure_options(run, sample_hz=1.0)
     run.add_argument("--no-stop", action="store_true", help="let the script run to its end")
-    run.add_argument("--json", metavar="PATH", help="write the RunSummary here")
-    run.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
-    run.add_argument(
-        "--checkpoint-s",
-        type=float,
-        default=30.0,
-        help="each process writes its figures so far this often (s), so a killed process still leaves them",
-    )
-    run.add_argument("--sample-hz", type=_sample_hz, default=1.0, help=SAMPLE_HELP)
     run.set_defaults(func=_run)
 
     params = commands.add_parser(
@@ -220,14 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the script, name the bottleneck with its evidence and rank the fixes by cost and gain",
         usage=DOCTOR_USAGE,
     )
-    doctor.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring")
-    doctor.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop")
-    doctor.add_argument("--json", metavar="PATH", help="write the RunSummary (verdict, fixes, facts) here")
-    doctor.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
-    doctor.add_argument(
-        "--checkpoint-s", type=float, default=30.0, help="each process writes its figures so far this often (s)"
-    )
-    doctor.add_argument("--sample-hz", type=_sample_hz, default=4.0, help=SAMPLE_HELP.replace("default 1", "default 4"))
+    _measure_options(doctor, sample_hz=4.0)
     doctor.set_defaults(func=_doctor)
     return parser
 
