@@ -261,7 +261,7 @@ def test_values_outside_the_vocabulary_are_refused(tmp_path, edit, message):
 def test_schema_1_file_is_upgraded_with_empty_facts():
     data = RunSummary().to_dict()
     data["schema_version"] = 1
-    del data["facts"]
+    del data["facts"], data["dataloader"]
     summary = RunSummary.from_dict(data)
     assert summary.schema_version == 2
-    assert summary.facts == {}
+    assert summary.facts == {} and summary.dataloader == {}

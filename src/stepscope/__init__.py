@@ -1,5 +1,14 @@
 """stepscope: where does my PyTorch training step time go, and what is the one thing to fix first?"""
 
+from stepscope.analyses.loader import (
+    LoaderError,
+    LoaderResult,
+    LoaderSettings,
+    SweepResult,
+    SweepTrial,
+    measure_loader,
+    sweep_loader,
+)
 from stepscope.analyses.params import ParamAudit, audit_params
 from stepscope.scope import NULL_SCOPE, NullScope, Scope
 from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
@@ -9,13 +18,20 @@ __version__ = "0.1.0"
 __all__ = [
     "NULL_SCOPE",
     "Fix",
+    "LoaderError",
+    "LoaderResult",
+    "LoaderSettings",
     "NullScope",
     "ParamAudit",
     "PhaseStats",
     "RunSummary",
     "Scope",
     "SummaryError",
+    "SweepResult",
+    "SweepTrial",
     "Verdict",
     "__version__",
     "audit_params",
+    "measure_loader",
+    "sweep_loader",
 ]

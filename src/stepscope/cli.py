@@ -21,9 +21,22 @@ def _show(args: argparse.Namespace) -> int:
 RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 PARAMS_USAGE = "stepscope params [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 DOCTOR_USAGE = "stepscope doctor [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
+LOADER_USAGE = "stepscope dataloader [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 # Options of the verbs that run a script and take a value: the script's own arguments start after them.
-_VALUED = {"--warmup", "--steps", "--json", "--batch-size", "--checkpoint-s", "--sample-hz"}
-_SCRIPT_VERBS = ("run", "params", "doctor")
+_VALUED = {
+    "--warmup",
+    "--steps",
+    "--json",
+    "--batch-size",
+    "--checkpoint-s",
+    "--sample-hz",
+    "--batches",
+    "--budget-s",
+    "--device",
+    "--loader",
+    "--against",
+}
+_SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -140,6 +153,57 @@ def _doctor(args: argparse.Namespace) -> int:
     return code
 
 
+NO_LOADER = (
+    "the script never iterated a torch DataLoader before it ended. For a hand-rolled batch source (a get_batch() "
+    "function, a generator), measure it in your code: stepscope.measure_loader(iterable, batches=300)."
+)
+
+
+def _dataloader(args: argparse.Namespace) -> int:
+    import orjson
+
+    from stepscope.analyses.loader import combine_ranks
+    from stepscope.instrument.launch import run
+    from stepscope.instrument.tracker import RunConfig
+    from stepscope.report.terminal import print_loader
+
+    target = _target(args.command, LOADER_USAGE)
+    train_rate = None
+    if args.against:
+        train_rate = RunSummary.from_json(args.against).throughput.samples_per_s
+        if train_rate is None:
+            raise UsageError(f"{args.against} has no samples/s (no batch size was known): nothing to compare with.")
+    device = None if args.device == "cpu" else args.device
+    job = {
+        "batches": args.batches,
+        "warmup": args.warmup,
+        "device": device,
+        "sweep": args.sweep,
+        "budget_s": args.budget_s,
+        "sweep_batches": max(20, min(args.batches, 100)),
+        "sweep_warmup": min(args.warmup, 10),
+        "loader": args.loader,
+    }
+    config = RunConfig(out_dir="", warmup=0, steps=0, stop=False, system_interval_s=None, loader_job=job)
+    code, summary = run(target, config)
+    ranks = summary.ranks or [summary]
+    results = {r.meta.rank or 0: r.dataloader for r in ranks if r.dataloader}
+    result = combine_ranks(results, train_rate)
+    summary.dataloader = result
+    sys.stdout.flush()
+    if not results:
+        print(f"stepscope: {NO_LOADER}", file=sys.stderr)
+    print_loader(result, summary)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"loader figures written to {args.json}")
+    if not results:
+        return code or 1
+    return 0 if code == 0 and "loader" in result else code or 1
+
+
 def _interval(sample_hz: float) -> float | None:
     return None if sample_hz == 0 else 1.0 / sample_hz
 
@@ -232,6 +296,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _measure_options(doctor, sample_hz=4.0)
     doctor.set_defaults(func=_doctor)
+
+    loader = commands.add_parser(
+        "dataloader",
+        help="measure the script's DataLoader alone (its ceiling) and sweep its settings",
+        usage=LOADER_USAGE,
+    )
+    loader.add_argument("--batches", type=_int_at_least(1), default=300, help="batches to measure (default 300)")
+    loader.add_argument("--warmup", type=_int_at_least(0), default=20, help="batches to skip first (default 20)")
+    loader.add_argument("--sweep", action="store_true", help="also try other num_workers/prefetch/pin settings")
+    loader.add_argument("--budget-s", type=float, default=120.0, help="time limit of the sweep, s (default 120)")
+    loader.add_argument("--device", default="cpu", help="also copy each batch there and time the copy (cuda, cuda:1)")
+    loader.add_argument("--loader", type=_int_at_least(0), help="measure the N-th loader the script iterates (0-based)")
+    loader.add_argument("--against", metavar="SUMMARY", help="a `stepscope run` summary: loader ceiling vs training")
+    loader.add_argument("--json", metavar="PATH", help="write the loader figures here")
+    loader.set_defaults(func=_dataloader)
     return parser
 
 

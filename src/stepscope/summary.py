@@ -182,6 +182,7 @@ class RunSummary:
     cluster: Cluster | None = None
     params: list[dict[str, Any]] = field(default_factory=list)  # `stepscope params`: one audit per model
     facts: dict[str, Any] = field(default_factory=dict)  # runtime settings the doctor reads (docs/summary-schema.md)
+    dataloader: dict[str, Any] = field(default_factory=dict)  # `stepscope dataloader`: the loader measured alone
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,6 +236,7 @@ class RunSummary:
                 cluster=None if data.get("cluster") is None else _cluster(data["cluster"]),
                 params=list(data.get("params", [])),
                 facts=dict(data.get("facts", {})),
+                dataloader=dict(data.get("dataloader", {})),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:
@@ -286,7 +288,7 @@ def _build(cls: type, data: Any) -> Any:
 
 
 def _add_facts(data: dict[str, Any]) -> dict[str, Any]:
-    return {**data, "facts": {}, "schema_version": 2}
+    return {**data, "facts": {}, "dataloader": {}, "schema_version": 2}
 
 
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.

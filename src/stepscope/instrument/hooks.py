@@ -12,6 +12,7 @@ Inside a ``torch.compile`` trace every wrapper steps aside so that compiled grap
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,8 @@ def install(tracker: Tracker) -> Callable[[], None]:
             # Making the iterator starts the loader's workers: data pipeline time, and the start of the epoch.
             if not tracker.active:
                 return original(self)
+            if capturing:
+                tracker.capture(self)  # measures this loader (or the one asked for) and stops, or passes it by
             t0 = tracker.fetch_begin()
             try:
                 iterator = original(self)
@@ -69,6 +72,17 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
         return __next__
 
+    capturing = tracker.config.loader_job is not None
+    if capturing:
+
+        def make_loader_init(original: Any) -> Any:
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                original(self, *args, **kwargs)
+                tracker.constructed.append(weakref.ref(self))
+
+            return __init__
+
+        patch(DataLoader, "__init__", make_loader_init)
     patch(DataLoader, "__iter__", make_iter)
     patch(_BaseDataLoaderIter, "__next__", make_next)
 

@@ -67,6 +67,9 @@ class RunConfig:
     include_zero_grad: bool = False
     audit_continue: bool = False  # `stepscope doctor`: after the audit's backward passes, go on training unwatched
     system_interval_s: float | None = 1.0  # host/GPU sampling period over the measured steps; None: no sampling
+    # `stepscope dataloader`: {batches, warmup, device, sweep, budget_s, sweep_batches, sweep_warmup, loader}; the
+    # first iteration of a DataLoader (or of the chosen one) is measured alone and the script stopped
+    loader_job: dict[str, Any] | None = None
 
 
 @dataclass
@@ -144,6 +147,9 @@ class Tracker:
         self.zero_grad_set_to_none: bool | None = None
         self.facts_failure: str | None = None
         self.audited: list[Any] | None = None  # the parameter audits, once complete
+        # `stepscope dataloader`
+        self.constructed: list[weakref.ref[Any]] = []  # DataLoaders built so far, in order
+        self.loader_result: dict[str, Any] | None = None
 
     # -- exclusive phase time ----------------------------------------------------------------------------------
 
@@ -225,9 +231,9 @@ class Tracker:
         state = None if iterator is None else self._iterators.get(iterator)
         samples = 0
         if batch is not None:
-            tensors = _tensors(batch)
+            tensors = batch_tensors(batch)
             self.batch_ids = frozenset(id(t) for t in tensors)
-            samples = _batch_size(tensors)
+            samples = batch_samples(tensors)
             self._step_samples += samples
             self._count("batches")
         if state is not None:
@@ -364,6 +370,34 @@ class Tracker:
             self.stop_tracking()
             raise StopRun()
 
+    # -- `stepscope dataloader` ----------------------------------------------------------------------------------
+
+    def capture(self, loader: Any) -> None:
+        """``iter(loader)`` in loader-capture mode: measure the loader asked for alone, then stop the script.
+
+        Loaders are numbered in the order the script builds them. Without ``loader`` in the job, the first
+        iteration measures the largest loader built so far (a train loader built next to a validation one); with
+        it, the script runs on until that loader exists."""
+        job = self.config.loader_job or {}
+        built = [ref() for ref in self.constructed]
+        if not any(c is loader for c in built):
+            built.append(loader)  # built before the hooks went in
+        wanted = job.get("loader")
+        if wanted is None:
+            index = max(range(len(built)), key=lambda i: _dataset_size(built[i]))
+        elif wanted < len(built) and built[wanted] is not None:
+            index = wanted
+        else:
+            return  # the loader asked for is not built yet: the script goes on
+        target = built[index]
+        self.stop_tracking()  # the measurement iterates the loader itself: every hook passes through
+        from stepscope.analyses.loader import run_loader_job
+
+        self.loader_result = run_loader_job(target, job, index)
+        self.loader_result["built"] = len(built)
+        self.stopped = True
+        raise StopRun()
+
     # -- runtime facts -----------------------------------------------------------------------------------------
 
     def _begin_measuring(self) -> None:
@@ -462,8 +496,8 @@ class Tracker:
 
     @property
     def trained(self) -> bool:
-        """True once this process did training work (a backward or an optimizer step)."""
-        return bool(self.seen["backward_calls"] or self.seen["optimizer_steps"])
+        """True once this process did training work (a backward or an optimizer step), or measured a loader."""
+        return bool(self.seen["backward_calls"] or self.seen["optimizer_steps"] or self.loader_result is not None)
 
     def summary(self, drain: bool = True) -> RunSummary:
         """The run's RunSummary so far; ``drain=False`` never waits on the GPU (for checkpoints)."""
@@ -478,6 +512,8 @@ class Tracker:
         now = self._clock()
         summary.epochs += [self._epoch(s, now, complete=False) for s in states if s.epoch_open]
         summary.exit = self.outcome or Exit(reason="stopped" if self.stopped else "finished")
+        if self.loader_result is not None:
+            summary.dataloader = self.loader_result
         audits = self.audit.audits() if self.audited is None else self.audited
         summary.params = [a.to_dict() for a in audits]
         try:
@@ -516,7 +552,15 @@ class Tracker:
         state.epoch_open = False
 
 
-def _tensors(batch: Any, limit: int = 64) -> list[Any]:
+def _dataset_size(loader: Any) -> int:
+    """Samples in a loader's dataset; -1 when unknown (an IterableDataset) or the loader is gone."""
+    try:
+        return len(loader.dataset)
+    except (TypeError, AttributeError):
+        return -1
+
+
+def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
     """The tensors in a batch (a tensor, or tuples/lists/mappings of them three levels deep), at most ``limit``."""
     from torch import Tensor
 
@@ -533,7 +577,7 @@ def _tensors(batch: Any, limit: int = 64) -> list[Any]:
     return found
 
 
-def _batch_size(tensors: list[Any]) -> int:
+def batch_samples(tensors: list[Any]) -> int:
     """Samples in a batch: the first dimension of its first tensor (0 when it has none)."""
     for tensor in tensors:
         if tensor.dim() >= 1:

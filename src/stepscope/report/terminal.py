@@ -7,6 +7,7 @@ read as rich markup.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import textwrap
@@ -262,3 +263,106 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
         for line in lines:  # wrapped lines stay indented under their label
             for part in textwrap.wrap(line, width=max(40, console.width - 3), subsequent_indent="  "):
                 console.print("   " + part, markup=False)
+
+
+def _settings_text(settings: dict | None) -> str:
+    if not settings:
+        return "-"
+    text = f"workers={settings['num_workers']}"
+    if settings["num_workers"] > 0:
+        text += f" prefetch={settings['prefetch_factor'] or 2}"
+    return text + (" pinned" if settings["pin_memory"] else "")
+
+
+def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None) -> None:
+    """Print `stepscope dataloader`'s report: the loader's ceiling and fetch times, per-rank figures, the
+    comparison with training, and the sweep table with the best setting."""
+    console = _console(file)
+    say = functools.partial(console.print, markup=False)
+    loader = result.get("loader")
+    ranks = result.get("ranks", [])
+    head = ranks[0] if ranks else {}
+    size = "" if head.get("dataset_length") is None else f", {head['dataset_length']:,} samples"
+    built = f" of {head['built']} built" if head.get("built", 1) > 1 else ""
+    say(
+        f"stepscope dataloader · {summary.meta.command or 'script'} · loader {head.get('index', '?')}{built} "
+        f"({head.get('dataset', '?')}{size})"
+    )
+    for rank in ranks:
+        if "error" in rank:
+            say(f"rank {rank['rank']}: the loader could not be measured: {rank['error']}")
+    if loader is None:
+        line = exit_line(summary)
+        if line:
+            say(line)
+        for note in summary.notes:
+            say(f"note: {note}")
+        return
+    fetch = loader["fetch_ms"]
+    h2d = "" if loader["h2d_ms"] is None else f" · copy to device {loader['h2d_ms']:.3f} ms (device time)"
+    say(
+        f"fetch per batch: mean {fetch['mean']:.3f} ms, median {fetch['median']:.3f} ms, p95 {fetch['p95']:.3f} ms{h2d}"
+    )
+    rate = loader["samples_per_s"]
+    rate_text = (
+        f"{rate:,.1f} samples/s ({loader['batches_per_s']:,.2f} batches/s)"
+        if rate
+        else (f"{loader['batches_per_s']:,.2f} batches/s")
+    )
+    say(
+        f"ceiling: {rate_text} over {loader['batches']} batches after {loader['warmup']} warm-up; "
+        f"start-up {loader['startup_s']:.2f} s (iter() to the first batch)"
+    )
+    say(f"what it means: {loader['meaning']}")
+    for note in loader["notes"]:
+        say(f"note: {note}")
+    if len(ranks) > 1 and "rank_samples_per_s" in result:
+        spread = result["rank_samples_per_s"]
+        say(
+            f"ranks: {len(ranks)} · samples/s per rank min {spread['min']:,.1f} / mean {spread['mean']:,.1f} / "
+            f"max {spread['max']:,.1f} · cluster ceiling {result['cluster_samples_per_s']:,.1f} samples/s"
+        )
+    against = result.get("against_training")
+    if against:
+        verdict = "the input pipeline is the bottleneck" if against["input_bound"] else "the input pipeline keeps up"
+        say(
+            f"against training: training consumed {against['train_rate']:,.1f} samples/s, the loader alone gives "
+            f"{against['loader_ceiling']:,.1f} ({against['headroom']:.2f}×): {verdict}"
+        )
+    if "sweep" not in result:
+        return
+    table = Table(box=_ASCII_HEAD if _plain(console) else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for header, justify in (
+        ("setting", "left"),
+        ("samples/s", "right"),
+        ("start-up s", "right"),
+        ("peak RSS MB", "right"),
+        ("workers CPU %", "right"),
+        ("", "left"),
+    ):
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    current = loader["settings"]
+    for trial in result["sweep"]:
+        note = trial["error"] or ("" if trial["safe"] else "too much memory")
+        if trial["settings"] == current:
+            note = (note + " (current)").strip()
+        table.add_row(
+            _settings_text(trial["settings"]),
+            "-" if trial["samples_per_s"] is None else f"{trial['samples_per_s']:,.1f}",
+            "-" if trial["startup_s"] is None else f"{trial['startup_s']:.2f}",
+            "-" if trial["peak_rss_mb"] is None else f"{trial['peak_rss_mb']:,.0f}",
+            "-" if trial["workers_cpu_pct"] is None else f"{trial['workers_cpu_pct']:.0f}",
+            escape(note),
+        )
+    say("sweep (fastest first):")
+    console.print(table)
+    best = result.get("best")
+    if best:
+        from stepscope.analyses.loader import LoaderSettings
+
+        gain = "" if best["gain"] is None else f" ({100 * best['gain']:+.0f}% over the current setting)"
+        say(f"best: {LoaderSettings(**best['settings']).snippet()}{gain}")
+    for skipped in result.get("sweep_skipped", []):
+        say(f"not tried: {skipped}")
+    for note in result.get("sweep_notes", []):
+        say(f"note: {note}")

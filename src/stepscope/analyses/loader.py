@@ -1,0 +1,504 @@
+"""The input pipeline alone: how fast a DataLoader can deliver batches, and which settings make it fastest.
+
+``measure_loader`` iterates a loader with no model, optimizer or collective attached: its rate is the *ceiling*
+of the input pipeline, what it could feed a trainer that took no time. Fetch times are host time inside the
+iterator's ``__next__``; with a device, each batch is also copied there (``non_blocking`` when the loader pins
+memory), the copy timed with device events read at the end (this is not a training loop: one synchronisation
+after the last batch is fine).
+
+``sweep_loader`` rebuilds the loader around the same dataset, sampler, collate function and batch size with other
+``num_workers`` / ``prefetch_factor`` / ``pin_memory`` settings, measures each within a time budget (after its
+own warm-up; worker start-up reported apart), records the peak RSS of the process tree per setting, and names the
+fastest setting that leaves memory to spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepscope.clock import HOST_ONLY, CudaEvents, DeviceTimer, EventSource, HostOnly, now_ns
+
+# A fetch-time distribution is bimodal (most batches wait for nothing, some block on a worker) when the median is
+# below BIMODAL_MEDIAN of the mean and the p95 above BIMODAL_P95 times the median (and above 0.05 ms).
+BIMODAL_MEDIAN = 0.2
+BIMODAL_P95 = 4.0
+BOTTLENECK_MARGIN = 1.1  # a ceiling at or below 1.1x the training rate leaves the trainer waiting on data
+MEMORY_SAFETY = 0.8  # a setting is safe when its peak RSS stays under this share of the memory it could use
+SWEEP_INTERVAL_S = 0.1  # RSS/CPU sampling period during a sweep trial
+
+
+class LoaderError(ValueError):
+    """A loader that cannot be measured or rebuilt, with the reason."""
+
+
+@dataclass
+class LoaderSettings:
+    """The DataLoader knobs a sweep varies."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    persistent_workers: bool
+
+    def snippet(self) -> str:
+        """The settings as DataLoader keyword arguments."""
+        parts = [f"num_workers={self.num_workers}"]
+        if self.num_workers > 0:
+            parts += [f"prefetch_factor={self.prefetch_factor or 2}", f"persistent_workers={self.persistent_workers}"]
+        parts.append(f"pin_memory={self.pin_memory}")
+        return f"DataLoader(dataset, ..., {', '.join(parts)})"
+
+
+@dataclass
+class LoaderResult:
+    """One loader measured alone. Rates are over the measured batches (after warm-up)."""
+
+    samples_per_s: float | None
+    batches_per_s: float
+    fetch_ms: dict[str, float]  # mean, median, p95 of the host time inside __next__
+    h2d_ms: float | None  # mean device time of the copy to ``device``; None without a device
+    settings: LoaderSettings | None  # None when the iterable is not a DataLoader
+    bimodal: bool
+    batches: int  # measured batches
+    warmup: int
+    startup_s: float  # from iter(loader) to the first batch: worker start-up and the first fetch
+    ended_early: bool = False  # the loader ran out before warmup + batches
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def meaning(self) -> str:
+        """What the fetch-time distribution says, in one sentence."""
+        if self.bimodal:
+            return (
+                "bimodal fetch times: most batches come straight from the prefetch buffer and some block on a "
+                "worker; more workers or a deeper prefetch_factor smooth it"
+            )
+        if self.settings is not None and self.settings.num_workers == 0:
+            return "every batch is built in the calling process: the fetch time is the full cost of a batch"
+        return "steady fetch times: the workers keep up evenly, or are uniformly too slow"
+
+
+@dataclass
+class SweepTrial:
+    """One setting of a sweep: its rate, start-up, memory, or why it could not be measured."""
+
+    settings: LoaderSettings
+    samples_per_s: float | None = None
+    batches_per_s: float | None = None
+    startup_s: float | None = None
+    peak_rss_mb: float | None = None
+    workers_cpu_pct: float | None = None
+    safe: bool = True  # peak RSS leaves memory to spare
+    error: str | None = None
+
+
+@dataclass
+class SweepResult:
+    """All trials, sorted by samples/s (fastest first), the best safe one, and what was not tried."""
+
+    current: LoaderSettings
+    trials: list[SweepTrial]
+    best: SweepTrial | None
+    gain: float | None  # best samples/s over the current setting's, minus 1 (0.5 = 50% faster)
+    skipped: list[str] = field(default_factory=list)  # settings not tried, each with why
+    budget_s: float = 0.0
+    elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def settings_of(loader: Any) -> LoaderSettings | None:
+    """The sweepable settings of a DataLoader; None for any other iterable."""
+    if not hasattr(loader, "num_workers"):
+        return None
+    workers = int(loader.num_workers)
+    return LoaderSettings(
+        num_workers=workers,
+        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+        pin_memory=bool(loader.pin_memory),
+        persistent_workers=bool(loader.persistent_workers),
+    )
+
+
+def _batch_samples(batch: Any) -> int | None:
+    from stepscope.instrument.tracker import batch_samples, batch_tensors
+
+    return batch_samples(batch_tensors(batch)) or None
+
+
+def _to_device(batch: Any, device: Any, non_blocking: bool) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(x, device, non_blocking) for x in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device, non_blocking) for k, v in batch.items()}
+    return batch
+
+
+def is_bimodal(fetch_ms: list[float]) -> bool:
+    """True when the fetch times split into buffer hits (≈0) and blocking waits (see BIMODAL_*)."""
+    if len(fetch_ms) < 10:
+        return False
+    mean = statistics.fmean(fetch_ms)
+    median = statistics.median(fetch_ms)
+    p95 = _quantile(fetch_ms, 0.95)
+    return median < BIMODAL_MEDIAN * mean and p95 > BIMODAL_P95 * max(median, 0.05)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def measure_loader(
+    loader: Any,
+    batches: int = 300,
+    warmup: int = 20,
+    device: str | None = None,
+    time_limit_s: float | None = None,
+    clock: Callable[[], int] = now_ns,
+    events: EventSource | None = None,
+) -> LoaderResult:
+    """Iterate ``loader`` alone: ``warmup`` batches, then up to ``batches`` measured ones (fewer when it ends or
+    ``time_limit_s`` runs out, said in ``notes``). ``device`` ("cuda", "cuda:1") also copies each batch there and
+    times the copy with device events (``events`` is a seam for tests). Rates in samples/s and batches/s."""
+    if batches < 1 or warmup < 0:
+        raise LoaderError(f"batches must be >= 1 and warmup >= 0, got batches={batches}, warmup={warmup}")
+    settings = settings_of(loader)
+    timer: HostOnly | DeviceTimer = HOST_ONLY
+    if device is not None:
+        timer = DeviceTimer(events if events is not None else _cuda_events(device))
+    non_blocking = settings is not None and settings.pin_memory
+    t_iter = clock()
+    iterator: Iterator[Any] = iter(loader)
+    fetch_ns: list[int] = []
+    samples: list[int | None] = []
+    startup_ns = 0
+    measured_start = 0
+    seen = 0
+    deadline = None if time_limit_s is None else t_iter + int(time_limit_s * 1e9)
+    ended = False
+    while len(fetch_ns) < batches:
+        t0 = clock()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            ended = True
+            break
+        t1 = clock()
+        if seen == 0:
+            startup_ns = t1 - t_iter
+        seen += 1
+        if seen == warmup + 1:
+            measured_start = t0
+        if device is not None:
+            start = timer.start()
+            batch = _to_device(batch, device, non_blocking)
+            timer.stop("h2d", start)
+            timer.close_step(seen)
+        if seen > warmup:
+            fetch_ns.append(t1 - t0)
+            samples.append(_batch_samples(batch))
+        if deadline is not None and clock() > deadline:
+            break
+    measured_end = clock()
+    del iterator  # shuts the workers down (unless persistent)
+    notes = []
+    if not fetch_ns:
+        why = "ended" if ended else "ran out of time"
+        raise LoaderError(
+            f"the loader {why} after {seen} batch(es), within the {warmup} warm-up batches: nothing "
+            "was measured (lower --warmup)."
+        )
+    if ended and len(fetch_ns) < batches:
+        notes.append(f"the loader ended after {seen} batches: {len(fetch_ns)} measured instead of {batches}")
+    elif len(fetch_ns) < batches:
+        notes.append(f"the time limit ended the measurement after {len(fetch_ns)} of {batches} batches")
+    elapsed_s = (measured_end - measured_start) / 1e9
+    fetch_ms = [ns / 1e6 for ns in fetch_ns]
+    known = [s for s in samples if s is not None]
+    h2d = [seconds["h2d"] for _, seconds in timer.drain() if "h2d" in seconds]
+    return LoaderResult(
+        samples_per_s=sum(known) / elapsed_s if known and len(known) == len(samples) and elapsed_s > 0 else None,
+        batches_per_s=len(fetch_ns) / elapsed_s if elapsed_s > 0 else math.inf,
+        fetch_ms={
+            "mean": statistics.fmean(fetch_ms),
+            "median": statistics.median(fetch_ms),
+            "p95": _quantile(fetch_ms, 0.95),
+        },
+        h2d_ms=1e3 * statistics.fmean(h2d[-len(fetch_ns) :]) if h2d else None,
+        settings=settings,
+        bimodal=is_bimodal(fetch_ms),
+        batches=len(fetch_ns),
+        warmup=warmup,
+        startup_s=startup_ns / 1e9,
+        ended_early=ended and len(fetch_ns) < batches,
+        notes=notes,
+    )
+
+
+def _cuda_events(device: str) -> EventSource:
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise LoaderError(
+            f"cannot time copies to {device!r}: only CUDA devices are timed, and torch sees "
+            f"{'no CUDA device' if not torch.cuda.is_available() else 'CUDA, but this is not one'}."
+        )
+    return CudaEvents()
+
+
+# -- rebuilding and sweeping ---------------------------------------------------------------------------------------
+
+
+def rebuild_loader(loader: Any, settings: LoaderSettings) -> Any:
+    """A new DataLoader over the same dataset, sampler/batch sampler, collate function and batch size, with
+    ``settings``; raises LoaderError when the loader cannot be rebuilt that way."""
+    from torch.utils.data import BatchSampler, DataLoader
+
+    common: dict[str, Any] = {
+        "dataset": loader.dataset,
+        "collate_fn": loader.collate_fn,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "num_workers": settings.num_workers,
+        "pin_memory": settings.pin_memory,
+    }
+    if settings.num_workers > 0:
+        common["prefetch_factor"] = settings.prefetch_factor or 2
+        common["persistent_workers"] = settings.persistent_workers
+    if loader._dataset_kind == 1:  # an IterableDataset: no sampler to carry over
+        return DataLoader(batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
+    batch_sampler = loader.batch_sampler
+    if loader.batch_size is None and batch_sampler is None:  # automatic batching off: one sample per "batch"
+        return DataLoader(batch_size=None, sampler=loader.sampler, **common)
+    if type(batch_sampler) is BatchSampler and batch_sampler.sampler is loader.sampler:
+        return DataLoader(batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **common)
+    return DataLoader(batch_sampler=batch_sampler, **common)  # a custom batch sampler, reused as it is
+
+
+def candidate_settings(current: LoaderSettings, cores: int, cuda: bool) -> list[LoaderSettings]:
+    """The settings a sweep tries, in order: the current one first, then worker counts 0, 1, 2, 4, ... up to the
+    cores (and the current count), each with prefetch_factor 2 and then 4; pinned memory only when CUDA exists."""
+    counts = sorted({0, current.num_workers, *(2**i for i in range(int(math.log2(max(cores, 1))) + 1)), cores})
+    pins = (False, True) if cuda else (False,)
+    found = [current]
+    for pin in pins:
+        for factor in (2, 4):
+            for workers in counts:
+                if workers == 0 and factor == 4:
+                    continue
+                candidate = LoaderSettings(
+                    num_workers=workers,
+                    prefetch_factor=factor if workers > 0 else None,
+                    pin_memory=pin,
+                    persistent_workers=workers > 0,
+                )
+                if not any(_same(candidate, seen) for seen in found):
+                    found.append(candidate)
+    return found
+
+
+def _same(a: LoaderSettings, b: LoaderSettings) -> bool:
+    """Equal for throughput: persistent_workers changes the cost of each epoch's start, not the rate."""
+
+    def key(x: LoaderSettings) -> tuple[int, int, bool]:
+        return x.num_workers, x.prefetch_factor or 2, x.pin_memory
+
+    return key(a) == key(b)
+
+
+def sweep_loader(
+    loader: Any,
+    budget_s: float = 120.0,
+    batches: int = 100,
+    warmup: int = 10,
+    device: str | None = None,
+    cores: int | None = None,
+) -> SweepResult:
+    """Try the settings of ``candidate_settings`` on rebuilt copies of ``loader`` until ``budget_s`` seconds are
+    spent; each trial measures ``batches`` batches after ``warmup``. Returns every trial (samples/s, start-up,
+    peak RSS of the process tree, workers' CPU), the fastest safe setting and its gain over the current one."""
+    from stepscope.collectors import start_collectors
+    from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
+
+    started = time.monotonic()
+    current = settings_of(loader)
+    if current is None:
+        raise LoaderError(f"a {type(loader).__name__} is not a DataLoader: there are no loader settings to sweep.")
+    quota = cgroup_cpu_quota()
+    cores = cores or max(1, int(quota) if quota else usable_cores())
+    cuda = _cuda_available()
+    candidates = candidate_settings(current, cores, cuda)
+    notes = []
+    if not cuda:
+        notes.append("pin_memory was not tried: torch sees no CUDA device, so pinned memory would change nothing")
+    if loader._dataset_kind == 1:
+        notes.append(
+            "an IterableDataset: with several workers each worker iterates the whole dataset unless its __iter__ "
+            "splits the work with torch.utils.data.get_worker_info(); the rates assume it does"
+        )
+    trials: list[SweepTrial] = []
+    skipped: list[str] = []
+    for index, settings in enumerate(candidates):
+        left = budget_s - (time.monotonic() - started)
+        if left <= 0 or (index > 0 and _expected_cost(trials, warmup + batches) > left):
+            skipped += [f"{s.snippet()}: the {budget_s:g} s budget ran out" for s in candidates[index:]]
+            break
+        trial = SweepTrial(settings)
+        try:
+            rebuilt = loader if index == 0 else rebuild_loader(loader, settings)
+        except Exception as error:
+            skipped.append(f"{settings.snippet()}: the loader cannot be rebuilt ({type(error).__name__}: {error})")
+            continue
+        collectors = start_collectors(SWEEP_INTERVAL_S)
+        try:
+            result = measure_loader(rebuilt, batches=batches, warmup=warmup, device=device, time_limit_s=left)
+            trial.samples_per_s, trial.batches_per_s = result.samples_per_s, result.batches_per_s
+            trial.startup_s = result.startup_s
+        except Exception as error:  # a worker crash or a pickling failure: this setting only
+            trial.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        finally:
+            host = collectors.stop().get("host", {})
+        trial.peak_rss_mb = host.get("peak_rss_mb")
+        trial.workers_cpu_pct = host.get("workers_cpu_util_pct")
+        available = host.get("mem_available_min_mb")
+        if trial.peak_rss_mb is not None and available is not None:
+            # The tree's RSS at its peak must fit in what was free plus what the tree already held.
+            trial.safe = trial.peak_rss_mb <= MEMORY_SAFETY * (available + trial.peak_rss_mb)
+        trials.append(trial)
+    measured = [t for t in trials if t.error is None and t.batches_per_s is not None]
+    rate = _rate
+    ranked = sorted(measured, key=lambda t: -rate(t)) + [t for t in trials if t not in measured]
+    safe = [t for t in ranked if t in measured and t.safe]
+    best = safe[0] if safe else None
+    baseline = trials[0] if trials and trials[0].error is None else None
+    gain = rate(best) / rate(baseline) - 1 if best is not None and baseline is not None and rate(baseline) > 0 else None
+    return SweepResult(
+        current=current,
+        trials=ranked,
+        best=best,
+        gain=gain,
+        skipped=skipped,
+        budget_s=budget_s,
+        elapsed_s=time.monotonic() - started,
+        notes=notes,
+    )
+
+
+def _rate(trial: SweepTrial) -> float:
+    """Samples/s when the batches have a size, batches/s otherwise (the same ordering for one batch size)."""
+    return trial.samples_per_s if trial.samples_per_s is not None else trial.batches_per_s or 0.0
+
+
+def _expected_cost(trials: list[SweepTrial], batches: int) -> float:
+    """Seconds the next trial will probably take (start-up and ``batches`` batches): the median of the trials so
+    far, so that a trial which cannot finish inside the budget is not started."""
+    costs = [(t.startup_s or 0.0) + batches / t.batches_per_s for t in trials if t.error is None and t.batches_per_s]
+    return statistics.median(costs) if costs else 0.0
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def compare_with_training(ceiling_samples_per_s: float, train_samples_per_s: float) -> dict[str, Any]:
+    """Loader ceiling against the training rate (both samples/s): the headroom, and whether the input pipeline is
+    the bottleneck (ceiling at or below ``BOTTLENECK_MARGIN`` times the training rate)."""
+    ratio = ceiling_samples_per_s / train_samples_per_s if train_samples_per_s > 0 else math.inf
+    return {
+        "loader_ceiling": ceiling_samples_per_s,
+        "train_rate": train_samples_per_s,
+        "headroom": ratio,
+        "input_bound": ratio <= BOTTLENECK_MARGIN,
+    }
+
+
+def run_loader_job(loader: Any, job: dict[str, Any], position: int) -> dict[str, Any]:
+    """What `stepscope dataloader` does with the captured loader in each rank: measure it alone (and sweep when
+    asked); the JSON-ready result, with ``error`` instead of figures when it could not be measured."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        length: int | None = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    found: dict[str, Any] = {"index": position, "dataset": type(dataset).__name__, "dataset_length": length}
+    try:
+        result = measure_loader(loader, batches=job["batches"], warmup=job["warmup"], device=job.get("device"))
+    except Exception as error:  # a worker crash, a dataset that raises: reported, not raised into the script
+        found["error"] = f"{type(error).__name__}: {error}"
+        return found
+    found["loader"] = {**result.to_dict(), "meaning": result.meaning}
+    if job.get("sweep"):
+        try:
+            sweep = sweep_loader(
+                loader,
+                budget_s=job["budget_s"],
+                batches=job["sweep_batches"],
+                warmup=job["sweep_warmup"],
+                device=job.get("device"),
+            )
+        except Exception as error:
+            found["sweep_error"] = f"{type(error).__name__}: {error}"
+        else:
+            found["sweep"] = sweep.to_dict()
+    return found
+
+
+def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: float | None) -> dict[str, Any]:
+    """The JSON of `stepscope dataloader` from each rank's ``run_loader_job`` result: the lowest measured rank's
+    loader, sweep and best setting at the top, every rank in ``ranks``, the cluster ceiling (sum of the ranks'
+    samples/s, each rank feeding its own replica), and the comparison with training when its rate is known."""
+    measured = {r: x for r, x in sorted(rank_results.items()) if "loader" in x}
+    out: dict[str, Any] = {"ranks": [{"rank": r, **x} for r, x in sorted(rank_results.items())]}
+    if not measured:
+        return out
+    first = next(iter(measured.values()))
+    out["loader"] = first["loader"]
+    rates = [x["loader"]["samples_per_s"] for x in measured.values() if x["loader"]["samples_per_s"] is not None]
+    if len(rates) == len(measured):
+        out["cluster_samples_per_s"] = sum(rates)
+        out["rank_samples_per_s"] = {"min": min(rates), "mean": statistics.fmean(rates), "max": max(rates)}
+    if "sweep" in first:
+        sweep = first["sweep"]
+        out["sweep"] = [
+            {
+                k: t[k]
+                for k in ("settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error")
+            }
+            for t in sweep["trials"]
+        ]
+        best = sweep["best"]
+        if best is not None:
+            out["best"] = {"settings": best["settings"], "samples_per_s": best["samples_per_s"], "gain": sweep["gain"]}
+        out["sweep_skipped"] = sweep["skipped"]
+        out["sweep_notes"] = sweep["notes"]
+    ceiling = out.get("cluster_samples_per_s")
+    if ceiling is not None and train_samples_per_s:
+        out["against_training"] = compare_with_training(ceiling, train_samples_per_s)
+    return out
