@@ -35,6 +35,7 @@ _VALUED = {
     "--device",
     "--loader",
     "--against",
+    "--ceiling-batches",
 }
 _SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
@@ -141,6 +142,7 @@ def _doctor(args: argparse.Namespace) -> int:
         # The parameter audit's hooks run during the first warm-up passes only, then come off.
         params_steps=max(1, min(3, args.warmup)),
         audit_continue=True,
+        ceiling_batches=args.ceiling_batches or None,
     )
     code, summary = run(target, config)
     summary.notes += notes
@@ -295,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         usage=DOCTOR_USAGE,
     )
     _measure_options(doctor, sample_hz=4.0)
+    doctor.add_argument(
+        "--ceiling-batches",
+        type=_int_at_least(0),
+        default=100,
+        help="after the measured steps, iterate the loader alone this many batches (at most 20 s) for its "
+        "ceiling; 0 skips it (default 100)",
+    )
     doctor.set_defaults(func=_doctor)
 
     loader = commands.add_parser(

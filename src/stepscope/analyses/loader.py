@@ -449,7 +449,13 @@ def run_loader_job(loader: Any, job: dict[str, Any], position: int) -> dict[str,
         length = None
     found: dict[str, Any] = {"index": position, "dataset": type(dataset).__name__, "dataset_length": length}
     try:
-        result = measure_loader(loader, batches=job["batches"], warmup=job["warmup"], device=job.get("device"))
+        result = measure_loader(
+            loader,
+            batches=job["batches"],
+            warmup=job["warmup"],
+            device=job.get("device"),
+            time_limit_s=job.get("time_limit_s"),
+        )
     except Exception as error:  # a worker crash, a dataset that raises: reported, not raised into the script
         found["error"] = f"{type(error).__name__}: {error}"
         return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stepscope.analyses.loader import combine_ranks
 from stepscope.analyses.params import combine
 from stepscope.doctor.lint import LintError, LintHit, lint_file
 from stepscope.doctor.rules import Case, diagnose
@@ -41,6 +42,10 @@ def examine(summary: RunSummary, lint: list[LintHit]) -> RunSummary:
         audits = {r.meta.rank or 0: r.params for r in summary.ranks}
         combined = combine(audits)
         summary.params = [combined] if combined.get("models") else []
+    ranks = summary.ranks or [summary]
+    ceilings = {r.meta.rank or 0: r.dataloader for r in ranks if r.dataloader}
+    if ceilings:
+        summary.dataloader = combine_ranks(ceilings, summary.throughput.samples_per_s)
     summary.facts["lint"] = [hit.to_dict() for hit in lint]
     summary.verdict = classify(summary)
     fixes, notes = diagnose(Case(summary, lint))

@@ -107,6 +107,21 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
     if verdict.bound == "compute" and "launch_bound" in signals:
         return Verdict("host", "medium", [signals["launch_bound"], *verdict.evidence])
     extra = [signals[name] for name in ("transform_bound", "io_bound") if verdict.bound == "data" and name in signals]
+    against = summary.dataloader.get("against_training")
+    if against is not None:
+        ratio = against["headroom"]
+        if against["input_bound"]:
+            extra.append(
+                f"the loader alone delivers {against['loader_ceiling']:.1f} samples/s, only {ratio:.2f}× the "
+                f"{against['train_rate']:.1f} samples/s training consumed: the input pipeline is the bottleneck"
+            )
+            if verdict.bound == "balanced":
+                return Verdict("data", "medium", extra + verdict.evidence)
+        elif verdict.bound == "data":
+            extra.append(
+                f"yet the loader alone delivers {ratio:.1f}× what training consumed: the waiting is not the loader's "
+                "speed (a loader rebuilt each epoch, worker start-up, contention for CPUs)"
+            )
     if "throttled" in signals:
         extra.append(signals["throttled"])
     straggler = summary.cluster.straggler if summary.cluster else None

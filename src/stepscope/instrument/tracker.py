@@ -70,11 +70,14 @@ class RunConfig:
     # `stepscope dataloader`: {batches, warmup, device, sweep, budget_s, sweep_batches, sweep_warmup, loader}; the
     # first iteration of a DataLoader (or of the chosen one) is measured alone and the script stopped
     loader_job: dict[str, Any] | None = None
+    ceiling_batches: int | None = None  # `stepscope doctor`: after the measured steps, the loader alone this long
+    ceiling_time_s: float = 20.0
 
 
 @dataclass
 class _LoaderState:
     info: LoaderInfo
+    loader: weakref.ref[Any]
     epochs: int = 0
     epoch_start_ns: int = 0
     epoch_batches: int = 0
@@ -207,7 +210,8 @@ class Tracker:
         """``iter(loader)``, begun at ``start_ns``: a fresh pass over a DataLoader."""
         state = self._loaders.get(id(loader))
         if state is None:
-            state = self._loaders[id(loader)] = _LoaderState(_describe_loader(loader, len(self._loaders)))
+            info = _describe_loader(loader, len(self._loaders))
+            state = self._loaders[id(loader)] = _LoaderState(info, weakref.ref(loader))
         if state.epoch_open:
             self._end_epoch(state, complete=False)
         state.epoch_open = True
@@ -368,7 +372,24 @@ class Tracker:
         if self.config.stop and scope._recorder.measured >= self.config.steps:
             self.stopped = True
             self.stop_tracking()
+            self._measure_ceiling()
             raise StopRun()
+
+    def _measure_ceiling(self) -> None:
+        """`stepscope doctor`: the measured steps are done; iterate the loader that fed them alone for a few
+        batches (its ceiling), while every hook passes through."""
+        batches = self.config.ceiling_batches
+        states = [s for s in self._loaders.values() if s.info.batches > 0]
+        if not batches or not states:
+            return
+        state = max(states, key=lambda s: s.info.batches)
+        loader = state.loader()
+        if loader is None:
+            return
+        from stepscope.analyses.loader import run_loader_job
+
+        job = {"batches": batches, "warmup": max(1, batches // 10), "time_limit_s": self.config.ceiling_time_s}
+        self.loader_result = run_loader_job(loader, job, state.info.index)
 
     # -- `stepscope dataloader` ----------------------------------------------------------------------------------
 
