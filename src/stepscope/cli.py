@@ -176,6 +176,13 @@ def _dataloader(args: argparse.Namespace) -> int:
         if train_rate is None:
             raise UsageError(f"{args.against} has no samples/s (no batch size was known): nothing to compare with.")
     device = None if args.device == "cpu" else args.device
+    if device is not None:
+        import torch
+
+        if not device.startswith("cuda"):
+            raise UsageError(f"--device {device}: copies are timed on CUDA devices only (cuda, cuda:1, ...).")
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: torch sees no CUDA device on this machine.")
     job = {
         "batches": args.batches,
         "warmup": args.warmup,
