@@ -1394,3 +1394,32 @@ def test_refine_cites_throttling_and_the_straggler():
         throttled,
         "rank 1 is the straggler: its data_wait is 12.5 ms above the median of the other ranks",
     ]
+
+
+def test_refine_names_oversubscribed_threads_in_a_compute_verdict():
+    summary = with_facts(healthy(), threads=threads_fact(torch_threads=8, cores=8, local_ranks=2))
+    assert refine(summary, COMPUTE_VERDICT) == Verdict(
+        COMPUTE_VERDICT.bound,
+        COMPUTE_VERDICT.confidence,
+        [*COMPUTE_VERDICT.evidence, "16 torch threads across this machine's ranks compete for 8 usable cores"],
+    )
+    fitting = with_facts(healthy(), threads=threads_fact(torch_threads=4, cores=8, local_ranks=2))
+    assert refine(fitting, COMPUTE_VERDICT) == COMPUTE_VERDICT
+    assert refine(summary, DATA_VERDICT) == DATA_VERDICT  # threads do not explain a wait for data
+
+
+def test_refine_weighs_the_loader_ceiling_against_training():
+    summary = healthy()
+    summary.dataloader = {
+        "against_training": {"loader_ceiling": 105.0, "train_rate": 100.0, "headroom": 1.05, "input_bound": True}
+    }
+    balanced = Verdict("balanced", "medium", ["no part of the step reaches 40%"])
+    verdict = refine(summary, balanced)
+    assert verdict.bound == "data" and verdict.confidence == "medium"
+    assert verdict.evidence[0] == (
+        "the loader alone delivers 105.0 samples/s, only 1.05× the 100.0 samples/s training consumed: "
+        "the input pipeline is the bottleneck"
+    )
+    summary.dataloader["against_training"].update(loader_ceiling=400.0, headroom=4.0, input_bound=False)
+    assert refine(summary, balanced) == balanced
+    assert refine(summary, DATA_VERDICT).evidence[-1].startswith("yet the loader alone delivers 4.0×")

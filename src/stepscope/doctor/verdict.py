@@ -124,6 +124,11 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
             )
     if "throttled" in signals:
         extra.append(signals["throttled"])
+    threads = summary.facts.get("threads", {})
+    cores = threads.get("cpu_quota") or threads.get("cores")
+    used = threads.get("torch_threads", 0) * (threads.get("local_ranks") or 1)
+    if cores and used > cores + 0.5 and verdict.bound in ("compute", "optimizer", "host"):
+        extra.append(f"{used} torch threads across this machine's ranks compete for {cores:g} usable cores")
     straggler = summary.cluster.straggler if summary.cluster else None
     if straggler is not None:
         extra.append(
