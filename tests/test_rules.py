@@ -456,6 +456,14 @@ def workers_per_rank_fit() -> Case:
     return Case(healthy(loaders=[loader(num_workers=4)], facts=facts, world_size=2))
 
 
+@negative("loader.too_many_workers")
+def workers_over_quota_that_wait_on_io() -> Case:
+    # 8 workers using 120% CPU together (15% each) mostly wait: more workers than cores overlap the waits.
+    summary = healthy(loaders=[loader(num_workers=8)], facts={"threads": threads_fact(cpu_quota=4.0)}, world_size=1)
+    summary.system["host"] = {"workers_cpu_util_pct": 120.0, "workers_max": 8}
+    return Case(summary)
+
+
 TRANSFORM = "No GPU was in use while its 4 DataLoader worker process(es) used 390% CPU"
 IO = "No GPU was in use while the training process used 3% of a core and it has no worker processes"
 

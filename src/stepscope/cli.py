@@ -202,6 +202,9 @@ def _dataloader(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if not results:
         print(f"stepscope: {NO_LOADER}", file=sys.stderr)
+    elif "loader" not in result:
+        failures = [f"rank {r['rank']}: {r['error']}" for r in result["ranks"] if "error" in r]
+        print(f"stepscope: the loader could not be measured ({'; '.join(failures)}).", file=sys.stderr)
     print_loader(result, summary)
     if args.json:
         path = Path(args.json)

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +32,16 @@ BIMODAL_P95 = 4.0
 BOTTLENECK_MARGIN = 1.1  # a ceiling at or below 1.1x the training rate leaves the trainer waiting on data
 MEMORY_SAFETY = 0.8  # a setting is safe when its peak RSS stays under this share of the memory it could use
 SWEEP_INTERVAL_S = 0.1  # RSS/CPU sampling period during a sweep trial
+WAITING_WORKERS_CPU = 0.5  # workers using less than half a core each mostly wait: more of them than cores can help
+MAX_WORKERS = 32
 
 
 class LoaderError(ValueError):
     """A loader that cannot be measured or rebuilt, with the reason."""
+
+
+class LoaderTimeout(LoaderError):
+    """The time limit ran out before any batch past the warm-up was fetched."""
 
 
 @dataclass
@@ -223,10 +230,11 @@ def measure_loader(
     del iterator  # shuts the workers down (unless persistent)
     notes = []
     if not fetch_ns:
-        why = "ended" if ended else "ran out of time"
+        if not ended:
+            raise LoaderTimeout(f"the time limit ran out after {seen} batch(es), within the {warmup} warm-up batches.")
         raise LoaderError(
-            f"the loader {why} after {seen} batch(es), within the {warmup} warm-up batches: nothing "
-            "was measured (lower --warmup)."
+            f"the loader ended after {seen} batch(es), within the {warmup} warm-up batches: nothing was measured "
+            "(lower --warmup)."
         )
     if ended and len(fetch_ns) < batches:
         notes.append(f"the loader ended after {seen} batches: {len(fetch_ns)} measured instead of {batches}")
@@ -279,14 +287,14 @@ def rebuild_loader(loader: Any, settings: LoaderSettings) -> Any:
         "collate_fn": loader.collate_fn,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
         "num_workers": settings.num_workers,
         "pin_memory": settings.pin_memory,
     }
-    if settings.num_workers > 0:
+    if settings.num_workers > 0:  # torch refuses these options without worker processes
         common["prefetch_factor"] = settings.prefetch_factor or 2
         common["persistent_workers"] = settings.persistent_workers
+        common["multiprocessing_context"] = loader.multiprocessing_context
     if loader._dataset_kind == 1:  # an IterableDataset: no sampler to carry over
         return DataLoader(batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
     batch_sampler = loader.batch_sampler
@@ -360,22 +368,36 @@ def sweep_loader(
         )
     trials: list[SweepTrial] = []
     skipped: list[str] = []
-    for index, settings in enumerate(candidates):
+    index = 0
+    while True:
+        if index == len(candidates):
+            more = _beyond_cores(trials, candidates)  # workers that mostly wait: try more of them than cores
+            if not more:
+                break
+            candidates += more
+        settings = candidates[index]
+        index += 1
         left = budget_s - (time.monotonic() - started)
-        if left <= 0 or (index > 0 and _expected_cost(trials, warmup + batches) > left):
-            skipped += [f"{s.snippet()}: the {budget_s:g} s budget ran out" for s in candidates[index:]]
+        if left <= 0 or (index > 1 and _expected_cost(trials, warmup + batches) > left):
+            skipped += [f"{s.snippet()}: the {budget_s:g} s budget ran out" for s in candidates[index - 1 :]]
             break
         trial = SweepTrial(settings)
         try:
-            rebuilt = loader if index == 0 else rebuild_loader(loader, settings)
+            rebuilt = loader if index == 1 else rebuild_loader(loader, settings)
         except Exception as error:
             skipped.append(f"{settings.snippet()}: the loader cannot be rebuilt ({type(error).__name__}: {error})")
             continue
         collectors = start_collectors(SWEEP_INTERVAL_S)
         try:
-            result = measure_loader(rebuilt, batches=batches, warmup=warmup, device=device, time_limit_s=left)
+            with warnings.catch_warnings():
+                # torch warns of more workers than cores: the sweep tries that on purpose when workers mostly wait
+                warnings.filterwarnings("ignore", message="This DataLoader will create")
+                result = measure_loader(rebuilt, batches=batches, warmup=warmup, device=device, time_limit_s=left)
             trial.samples_per_s, trial.batches_per_s = result.samples_per_s, result.batches_per_s
             trial.startup_s = result.startup_s
+        except LoaderTimeout:
+            skipped.append(f"{settings.snippet()}: the {budget_s:g} s budget ran out during its warm-up")
+            continue
         except Exception as error:  # a worker crash or a pickling failure: this setting only
             trial.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
         finally:
@@ -404,6 +426,22 @@ def sweep_loader(
         elapsed_s=time.monotonic() - started,
         notes=notes,
     )
+
+
+def _beyond_cores(trials: list[SweepTrial], tried: list[LoaderSettings]) -> list[LoaderSettings]:
+    """More workers than cores, when the fastest trial so far has the most workers and they mostly wait (reads
+    from disk or network, not CPU): double the count, up to ``MAX_WORKERS``."""
+    measured = [t for t in trials if t.error is None and t.batches_per_s and t.workers_cpu_pct is not None]
+    if not measured:
+        return []
+    best = max(measured, key=_rate)
+    most = max(t.settings.num_workers for t in measured)
+    workers = best.settings.num_workers
+    waiting = best.workers_cpu_pct < WAITING_WORKERS_CPU * 100 * workers  # type: ignore[operator]
+    if workers == 0 or workers < most or not waiting or 2 * workers > MAX_WORKERS:
+        return []
+    more = dataclasses.replace(best.settings, num_workers=2 * workers)
+    return [] if any(_same(more, seen) for seen in tried) else [more]
 
 
 def _rate(trial: SweepTrial) -> float:
@@ -479,7 +517,9 @@ def run_loader_job(loader: Any, job: dict[str, Any], position: int) -> dict[str,
 def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: float | None) -> dict[str, Any]:
     """The JSON of `stepscope dataloader` from each rank's ``run_loader_job`` result: the lowest measured rank's
     loader, sweep and best setting at the top, every rank in ``ranks``, the cluster ceiling (sum of the ranks'
-    samples/s, each rank feeding its own replica), and the comparison with training when its rate is known."""
+    samples/s, each rank feeding its own replica) and the synchronous one (ranks × the slowest rank: what
+    synchronous data-parallel training can take), and the comparison of the synchronous one with the training
+    rate when that is known."""
     measured = {r: x for r, x in sorted(rank_results.items()) if "loader" in x}
     out: dict[str, Any] = {"ranks": [{"rank": r, **x} for r, x in sorted(rank_results.items())]}
     if not measured:
@@ -490,6 +530,8 @@ def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: 
     if len(rates) == len(measured):
         out["cluster_samples_per_s"] = sum(rates)
         out["rank_samples_per_s"] = {"min": min(rates), "mean": statistics.fmean(rates), "max": max(rates)}
+        # Synchronous data parallelism moves at its slowest rank: every rank waits for it at each all-reduce.
+        out["cluster_sync_samples_per_s"] = len(rates) * min(rates)
     if "sweep" in first:
         sweep = first["sweep"]
         out["sweep"] = [
@@ -504,7 +546,7 @@ def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: 
             out["best"] = {"settings": best["settings"], "samples_per_s": best["samples_per_s"], "gain": sweep["gain"]}
         out["sweep_skipped"] = sweep["skipped"]
         out["sweep_notes"] = sweep["notes"]
-    ceiling = out.get("cluster_samples_per_s")
+    ceiling = out.get("cluster_sync_samples_per_s")
     if ceiling is not None and train_samples_per_s:
         out["against_training"] = compare_with_training(ceiling, train_samples_per_s)
     return out

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepscope.analyses.loader import WAITING_WORKERS_CPU
 from stepscope.doctor.lint import LintHit
 from stepscope.doctor.verdict import group_shares
 from stepscope.record import TOTAL
@@ -301,6 +302,10 @@ def _too_many_workers(case: Case) -> Finding | None:
     if not cores:
         return None
     busy = [x for x in case.summary.loaders if x.num_workers * world > cores]
+    host = case.summary.system.get("host", {})
+    workers_cpu, workers = host.get("workers_cpu_util_pct"), host.get("workers_max")
+    if workers_cpu is not None and workers and workers_cpu < WAITING_WORKERS_CPU * 100 * workers:
+        return None  # the workers mostly wait (I/O): more of them than cores is how to overlap the waits
     if not busy:
         return None
     loader = busy[0]

@@ -533,8 +533,17 @@ class Tracker:
         now = self._clock()
         summary.epochs += [self._epoch(s, now, complete=False) for s in states if s.epoch_open]
         summary.exit = self.outcome or Exit(reason="stopped" if self.stopped else "finished")
+        job = self.config.loader_job
         if self.loader_result is not None:
             summary.dataloader = self.loader_result
+        elif job is not None and job.get("loader") is not None:
+            built = len(self.constructed)
+            summary.dataloader = {
+                "index": job["loader"],
+                "built": built,
+                "error": f"--loader {job['loader']} was never built: the script built {built} DataLoader(s) "
+                f"(numbered from 0 in build order) before it ended",
+            }
         audits = self.audit.audits() if self.audited is None else self.audited
         summary.params = [a.to_dict() for a in audits]
         try:
@@ -545,7 +554,7 @@ class Tracker:
             summary.notes.append(f"some runtime settings could not be read ({self.facts_failure})")
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
-        if self.scope._recorder.steps_seen == 0:
+        if self.scope._recorder.steps_seen == 0 and job is None:
             seen = self.seen
             # Replaces the Scope's note, whose advice is about calling scope.step().
             summary.notes = [n for n in summary.notes if NO_STEP_MARK not in n]

@@ -320,7 +320,8 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
         spread = result["rank_samples_per_s"]
         say(
             f"ranks: {len(ranks)} · samples/s per rank min {spread['min']:,.1f} / mean {spread['mean']:,.1f} / "
-            f"max {spread['max']:,.1f} · cluster ceiling {result['cluster_samples_per_s']:,.1f} samples/s"
+            f"max {spread['max']:,.1f} · cluster ceiling {result['cluster_samples_per_s']:,.1f} samples/s, "
+            f"{result['cluster_sync_samples_per_s']:,.1f} for synchronous training (ranks × the slowest)"
         )
     against = result.get("against_training")
     if against:

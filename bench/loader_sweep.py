@@ -1,0 +1,219 @@
+"""Does `sweep_loader` pick the best DataLoader setting, and what does the sweep cost?
+
+For each workload — a CPU-bound dataset (every sample busy-waits --sample-ms, like decoding) and an I/O-like one
+(every sample sleeps --sample-ms, like a read from slow storage) — a DataLoader with the default settings
+(num_workers=0) is
+
+1. swept --sweeps times with `sweep_loader` at its default batches/warm-up (100 / 10) and --budget-s: wall time
+   of each sweep and the setting it names best;
+2. measured exhaustively: every candidate setting of the sweep (`candidate_settings`, same cores), rebuilt fresh
+   and measured with `measure_loader` for --batches batches after --warmup, --repeats times in round-robin order
+   (so that drift on a shared machine hits every setting alike); the median samples/s per setting, and the best.
+
+The figure of merit is pick_rate / best_rate: the exhaustive median rate of the setting the sweep picked over the
+exhaustive best median rate among the sweep's candidates (1.0 = the sweep found the best setting, or one as fast).
+--beyond also measures worker counts the sweep never tries (more workers than cores, which an I/O-bound dataset
+can use), reported apart as pick_rate / overall_best_rate.
+
+    python bench/loader_sweep.py [--workloads cpu,io] [--sample-ms 1] [--batch-size 16] [--samples 20000]
+                                 [--budget-s 120] [--sweeps 3] [--batches 300] [--warmup 20] [--repeats 3]
+                                 [--beyond 4,8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from stepscope.analyses.loader import (
+    LoaderSettings,
+    candidate_settings,
+    measure_loader,
+    rebuild_loader,
+    sweep_loader,
+)
+from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
+
+
+class BusyDataset(Dataset):
+    """CPU-bound: every sample burns ``sample_ms`` of CPU in a busy-wait."""
+
+    def __init__(self, n: int, sample_ms: float) -> None:
+        self.n = n
+        self.sample_s = sample_ms / 1e3
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        end = time.perf_counter() + self.sample_s
+        while time.perf_counter() < end:
+            pass
+        return torch.full((64,), float(i)), i % 10
+
+
+class SleepyDataset(BusyDataset):
+    """I/O-like: every sample waits ``sample_ms`` without using the CPU."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.sample_s)
+        return torch.full((64,), float(i)), i % 10
+
+
+WORKLOADS = {"cpu": BusyDataset, "io": SleepyDataset}
+
+
+def label(settings: LoaderSettings) -> str:
+    if settings.num_workers == 0:
+        return f"workers=0{' pin' if settings.pin_memory else ''}"
+    return f"workers={settings.num_workers} prefetch={settings.prefetch_factor}{' pin' if settings.pin_memory else ''}"
+
+
+def key(settings: LoaderSettings) -> tuple[int, int, bool]:
+    return settings.num_workers, settings.prefetch_factor or 2, settings.pin_memory
+
+
+def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str, Any]:
+    dataset = WORKLOADS[name](args.samples, args.sample_ms)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+    true_rate = 1e3 / args.sample_ms  # samples/s of one process doing the work and nothing else
+    print(f"\n== {name}: {type(dataset).__name__}, {args.sample_ms:g} ms/sample, batch {args.batch_size} "
+          f"(one process: at most {true_rate:,.0f} samples/s) ==", flush=True)  # fmt: skip
+
+    sweeps = []
+    for i in range(args.sweeps):
+        started = time.perf_counter()
+        sweep = sweep_loader(loader, budget_s=args.budget_s, cores=cores)
+        wall = time.perf_counter() - started
+        pick = sweep.best.settings if sweep.best is not None else None
+        sweeps.append(
+            {
+                "wall_s": wall,
+                "pick": None if pick is None else label(pick),
+                "pick_key": None if pick is None else key(pick),
+                "pick_sweep_rate": None if sweep.best is None else sweep.best.samples_per_s,
+                "gain": sweep.gain,
+                "trials": {label(t.settings): t.samples_per_s for t in sweep.trials},
+                "skipped": len(sweep.skipped),
+                "errors": [t.error for t in sweep.trials if t.error],
+            }
+        )
+        print(
+            f"sweep {i + 1}: {wall:.1f} s wall, pick {sweeps[-1]['pick']} "
+            f"({sweeps[-1]['pick_sweep_rate'] or 0:,.0f} samples/s in the sweep, gain {sweep.gain or 0:+.0%}), "
+            f"{len(sweep.trials)} trials, {len(sweep.skipped)} skipped",
+            flush=True,
+        )
+
+    current = LoaderSettings(0, None, False, False)
+    candidates = candidate_settings(current, cores, torch.cuda.is_available())
+    beyond = [
+        LoaderSettings(int(w), 2, False, True)
+        for w in filter(None, args.beyond.split(","))
+        if all(s.num_workers != int(w) for s in candidates)
+    ]
+    rates: dict[tuple[int, int, bool], list[float]] = {key(s): [] for s in [*candidates, *beyond]}
+    started = time.perf_counter()
+    for _ in range(args.repeats):
+        for settings in [*candidates, *beyond]:
+            result = measure_loader(rebuild_loader(loader, settings), batches=args.batches, warmup=args.warmup)
+            rates[key(settings)].append(result.samples_per_s or 0.0)
+    exhaustive_wall = time.perf_counter() - started
+    medians = {k: statistics.median(v) for k, v in rates.items()}
+    best_key = max((key(s) for s in candidates), key=lambda k: medians[k])
+    best_rate = medians[best_key]
+    overall_key = max(medians, key=lambda k: medians[k])
+    names = {key(s): label(s) for s in candidates}
+    names.update({key(s): label(s) + " (not a candidate)" for s in beyond})
+    print(f"exhaustive ({args.repeats} x {args.batches} batches per setting, {exhaustive_wall:.0f} s):")
+    for k in sorted(medians, key=lambda k: -medians[k]):
+        spread = f"{min(rates[k]):,.0f}–{max(rates[k]):,.0f}"
+        print(f"  {names[k]:<42} median {medians[k]:>9,.0f} samples/s  (runs {spread})  {medians[k] / best_rate:.3f}")
+    for s in sweeps:
+        s["pick_rate"] = medians.get(s["pick_key"]) if s["pick_key"] is not None else None
+        s["pick_over_best"] = None if s["pick_rate"] is None else s["pick_rate"] / best_rate
+        s["pick_over_overall"] = None if s["pick_rate"] is None else s["pick_rate"] / medians[overall_key]
+    ratios = [s["pick_over_best"] for s in sweeps if s["pick_over_best"] is not None]
+    print(
+        f"best: {names[best_key]} {best_rate:,.0f} samples/s; sweep picks: "
+        + ", ".join(f"{s['pick']} ({s['pick_over_best']:.3f})" for s in sweeps if s["pick_over_best"] is not None)
+        + f"; sweep wall median {statistics.median(s['wall_s'] for s in sweeps):.1f} s",
+        flush=True,
+    )
+    if overall_key != best_key:
+        print(
+            f"outside the candidates: {names[overall_key]} {medians[overall_key]:,.0f} samples/s; the sweep's pick "
+            f"reaches {best_rate / medians[overall_key]:.3f} of it at best",
+            flush=True,
+        )
+    return {
+        "workload": name,
+        "dataset": type(dataset).__name__,
+        "sample_ms": args.sample_ms,
+        "batch_size": args.batch_size,
+        "sweeps": [{k: v for k, v in s.items() if k != "pick_key"} for s in sweeps],
+        "exhaustive": {names[k]: {"median": medians[k], "runs": rates[k]} for k in medians},
+        "exhaustive_wall_s": exhaustive_wall,
+        "best": names[best_key],
+        "best_rate": best_rate,
+        "pick_over_best_median": statistics.median(ratios) if ratios else None,
+        "pick_over_best_min": min(ratios) if ratios else None,
+        "overall_best": names[overall_key],
+        "overall_best_rate": medians[overall_key],
+        "pick_over_overall_median": statistics.median(
+            s["pick_over_overall"] for s in sweeps if s["pick_over_overall"] is not None
+        )
+        if ratios
+        else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="cpu,io", help="comma-separated: cpu, io")
+    parser.add_argument("--sample-ms", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=20_000, help="dataset size (enough for every measurement)")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="sweep budget (sweep_loader's default)")
+    parser.add_argument("--sweeps", type=int, default=3, help="sweeps per workload")
+    parser.add_argument("--batches", type=int, default=300, help="exhaustive: batches per measurement")
+    parser.add_argument("--warmup", type=int, default=20, help="exhaustive: warm-up batches per measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="exhaustive: measurements per setting")
+    parser.add_argument(
+        "--beyond", default="4,8", help="exhaustive: also these worker counts, outside the sweep's candidates ('' off)"
+    )
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # More workers than cores (--beyond) is the point of that comparison: torch's advice against it is noise here.
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+    quota = cgroup_cpu_quota()
+    cores = max(1, int(quota) if quota else usable_cores())
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, {cores} usable cores "
+        f"({os.cpu_count()} CPUs), CUDA {'yes' if torch.cuda.is_available() else 'no'}",
+        flush=True,
+    )
+    needed = (args.warmup + args.batches) * args.batch_size
+    if args.samples < needed:
+        print(f"--samples must be at least (warmup + batches) x batch size = {needed}", file=sys.stderr)
+        return 2
+    results = [bench_workload(name, args, cores) for name in args.workloads.split(",")]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cores": cores, "args": vars(args), "workloads": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""DDP over gloo, launched by torchrun: each rank builds its own DataLoader over a DistributedSampler.
+
+Every sample sleeps --sample-ms in __getitem__, plus --extra-ms on rank --slow-rank, so the ranks' loader ceilings
+differ. "loader_ddp: rank N trained" is printed only after training.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class SleepyDataset(Dataset):
+    def __init__(self, n: int, sample_ms: float) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=g)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        self.sample_s = sample_ms / 1000
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        time.sleep(self.sample_s)
+        return self.x[i], self.y[i]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sample-ms", type=float, default=0.5)
+    parser.add_argument("--extra-ms", type=float, default=1.0)
+    parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sample_ms = args.sample_ms + (args.extra_ms if rank == args.slow_rank else 0.0)
+    dataset = SleepyDataset(2048, sample_ms)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        print(f"loader_ddp: rank {rank} trained", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""A training loop with a hand-rolled batch source (nanoGPT-style get_batch()): no torch DataLoader anywhere.
+
+`stepscope dataloader` has nothing to capture: it must say so and point at the library API
+(stepscope.measure_loader) instead.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    data = torch.randn(1024, 16)
+    labels = torch.randint(0, 4, (1024,))
+
+    def get_batch(batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(0, len(data), (batch_size,))
+        return data[index], labels[index]
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(args.steps):
+        x, y = get_batch()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    print(f"loader_none: done after {args.steps} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""End to end: ``stepscope dataloader`` captures an unmodified script's DataLoader (tests/scripts/loader_*.py),
+measures it alone in a child process, stops the script before it trains, and writes the loader figures as JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import run_env, script
+
+from stepscope.summary import RunSummary, Throughput
+
+
+@dataclass
+class LoaderRun:
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    json_path: Path
+
+    @property
+    def data(self) -> dict:
+        assert self.json_path.exists(), f"no JSON written at {self.json_path}\n{self.describe()}"
+        return json.loads(self.json_path.read_text())
+
+    @property
+    def text(self) -> str:
+        """stdout with the terminal report's line wrapping undone (runs of whitespace as one space)."""
+        return " ".join(self.stdout.split())
+
+    def describe(self) -> str:
+        return (
+            f"command: {' '.join(self.cmd)}\nexit code: {self.returncode}\n"
+            f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+        )
+
+
+def stepscope_dataloader(
+    tmp_path: Path, *args: str, batches: int = 20, warmup: int = 2, options: tuple[str, ...] = (), timeout: float = 120
+) -> LoaderRun:
+    """``python -m stepscope.cli dataloader --batches B --warmup W --json tmp_path/loader.json OPTIONS ARGS...``"""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    json_path = tmp_path / "loader.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "stepscope.cli",
+        "dataloader",
+        *("--batches", str(batches), "--warmup", str(warmup), "--json", str(json_path)),
+        *options,
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=timeout)
+    return LoaderRun(cmd, proc.returncode, proc.stdout, proc.stderr, json_path)
+
+
+def torchrun(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *("--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"),
+        *args,
+    ]
+
+
+TRAINED = "loader_train_val: trained"  # printed by the script after training only
+
+
+# -- which loader, and the script stopped ----------------------------------------------------------------------------
+
+
+def test_the_largest_loader_is_measured_and_the_script_stopped_before_training(tmp_path):
+    # 0.5 ms of CPU per sample, batches of 16, no workers: the train loader's true ceiling is 2000 samples/s.
+    r = stepscope_dataloader(tmp_path, script("loader_train_val.py"), batches=20, warmup=2)
+    assert r.returncode == 0, r.describe()
+    assert "loader_train_val: built val=256 train=4096" in r.stdout, r.describe()
+    assert TRAINED not in r.stdout, f"the script was not stopped\n{r.describe()}"
+    d = r.data
+    assert len(d["ranks"]) == 1, r.describe()
+    head = d["ranks"][0]
+    assert (head["rank"], head["index"], head["built"]) == (0, 1, 2), head  # the train loader, built second
+    assert (head["dataset"], head["dataset_length"]) == ("BusyDataset", 4096), head
+    loader = d["loader"]
+    assert loader["batches"] == 20 and loader["warmup"] == 2, loader
+    assert loader["settings"] == {"num_workers": 0, "prefetch_factor": None, "pin_memory": False,
+                                  "persistent_workers": False}  # fmt: skip
+    assert loader["ended_early"] is False and loader["notes"] == [], loader
+    # Busy-waits cannot run faster than the true rate; 0.75 leaves room for a noisy VM (see test_loader.py).
+    assert 0.75 * 2000 <= loader["samples_per_s"] <= 1.05 * 2000, loader
+    assert loader["fetch_ms"]["median"] >= 8.0, loader
+    assert "sweep" not in d and "against_training" not in d, d.keys()
+    assert "loader 1 of 2 built (BusyDataset, 4,096 samples)" in r.text, r.describe()
+    assert "ceiling:" in r.text and "over 20 batches after 2 warm-up" in r.text, r.describe()
+    assert "Traceback" not in r.stderr, r.describe()
+
+
+def test_the_largest_built_loader_is_measured_even_when_a_smaller_one_is_iterated_first(tmp_path):
+    r = stepscope_dataloader(tmp_path, script("loader_train_val.py"), "--validate-first", batches=10, warmup=1)
+    assert r.returncode == 0, r.describe()
+    assert "loader_train_val: validated" not in r.stdout, r.describe()  # stopped at the val loader's iter()
+    assert TRAINED not in r.stdout, r.describe()
+    head = r.data["ranks"][0]
+    assert (head["index"], head["dataset_length"]) == (1, 4096), head
+
+
+def test_loader_option_picks_the_first_built(tmp_path):
+    r = stepscope_dataloader(tmp_path, "--loader", "0", script("loader_train_val.py"), batches=10, warmup=2)
+    assert r.returncode == 0, r.describe()
+    assert TRAINED not in r.stdout, r.describe()
+    head = r.data["ranks"][0]
+    assert (head["index"], head["dataset_length"], head["built"]) == (0, 256, 2), head
+    assert r.data["loader"]["batches"] == 10
+
+
+def test_a_loader_that_ends_early_is_measured_and_says_so(tmp_path):
+    # The val loader has 256 / 16 = 16 batches: 2 of warm-up, then 14 of the 60 asked for.
+    r = stepscope_dataloader(tmp_path, "--loader", "0", script("loader_train_val.py"), batches=60, warmup=2)
+    assert r.returncode == 0, r.describe()
+    loader = r.data["loader"]
+    assert loader["batches"] == 14 and loader["ended_early"] is True, loader
+    assert loader["notes"] == ["the loader ended after 16 batches: 14 measured instead of 60"], loader
+    assert "note: the loader ended after 16 batches: 14 measured instead of 60" in r.text, r.describe()
+
+
+def test_iterable_dataset_without_len(tmp_path):
+    r = stepscope_dataloader(
+        tmp_path,
+        script("loader_iterable.py"),
+        batches=20,
+        warmup=2,
+        options=("--sweep", "--budget-s", "10"),
+    )
+    assert r.returncode == 0, r.describe()
+    assert "loader_iterable: trained" not in r.stdout, r.describe()
+    d = r.data
+    head = d["ranks"][0]
+    assert (head["dataset"], head["dataset_length"]) == ("BusyStream", None), head
+    assert d["loader"]["samples_per_s"] > 0
+    assert any("IterableDataset" in note and "get_worker_info" in note for note in d["sweep_notes"]), d
+    assert all(row["error"] is None for row in d["sweep"]), d["sweep"]
+
+
+# -- the sweep -------------------------------------------------------------------------------------------------------
+
+
+def test_sweep_finds_that_workers_help(tmp_path):
+    # 2 ms of CPU per sample, batches of 8: workers on the second core roughly double the rate.
+    r = stepscope_dataloader(
+        tmp_path,
+        script("loader_train_val.py"),
+        "--sample-ms",
+        "2",
+        "--batch-size",
+        "8",
+        batches=30,
+        warmup=3,
+        options=("--sweep", "--budget-s", "20"),
+        timeout=180,
+    )
+    assert r.returncode == 0, r.describe()
+    assert TRAINED not in r.stdout, r.describe()
+    d = r.data
+    rows = d["sweep"]
+    assert len(rows) >= 2, rows
+    assert {"settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error"} == set(rows[0])
+    measured = [row["samples_per_s"] for row in rows if row["error"] is None]
+    assert measured == sorted(measured, reverse=True), rows  # fastest first
+    assert any(row["settings"]["num_workers"] == 0 for row in rows), rows  # the current setting was tried
+    best = d["best"]
+    assert best["settings"]["num_workers"] >= 1, d
+    assert best["samples_per_s"] == rows[0]["samples_per_s"], d
+    assert best["gain"] > 0.3, d
+    assert isinstance(d["sweep_skipped"], list)
+    if not torch.cuda.is_available():
+        assert any("pin_memory was not tried" in note for note in d["sweep_notes"]), d
+    assert "sweep (fastest first):" in r.text, r.describe()
+    assert "best: DataLoader(dataset, ..., num_workers=" in r.text, r.describe()
+
+
+# -- against a training run ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("train_rate", "input_bound"), [(4000.0, True), (100.0, False)])
+def test_against_a_training_summary(tmp_path, train_rate, input_bound):
+    # 1 ms of CPU per sample: the loader's ceiling is at most ~1000 samples/s (at least ~750 on a noisy VM), so
+    # training at 4000 samples/s is input-bound and training at 100 samples/s is not.
+    summary_path = tmp_path / "train.json"
+    RunSummary(throughput=Throughput(samples_per_s=train_rate)).to_json(summary_path)
+    r = stepscope_dataloader(
+        tmp_path,
+        script("loader_train_val.py"),
+        "--sample-ms",
+        "1",
+        batches=15,
+        warmup=2,
+        options=("--against", str(summary_path)),
+    )
+    assert r.returncode == 0, r.describe()
+    d = r.data
+    against = d["against_training"]
+    assert against["train_rate"] == pytest.approx(train_rate), against
+    assert against["loader_ceiling"] == pytest.approx(d["cluster_samples_per_s"]), against
+    assert against["headroom"] == pytest.approx(d["cluster_samples_per_s"] / train_rate), against
+    assert against["input_bound"] is input_bound, against
+    verdict = "the input pipeline is the bottleneck" if input_bound else "the input pipeline keeps up"
+    assert "against training: training consumed" in r.text and verdict in r.text, r.describe()
+
+
+def test_against_a_summary_without_samples_per_s_is_refused(tmp_path):
+    summary_path = tmp_path / "train.json"
+    RunSummary().to_json(summary_path)
+    r = stepscope_dataloader(
+        tmp_path, script("loader_train_val.py"), options=("--against", str(summary_path)), timeout=60
+    )
+    assert r.returncode == 2, r.describe()
+    assert "has no samples/s" in r.stderr, r.describe()
+    assert "loader_train_val: built" not in r.stdout, r.describe()  # refused before running anything
+
+
+# -- bad input -------------------------------------------------------------------------------------------------------
+
+
+def test_a_script_without_a_dataloader_points_at_the_library_api(tmp_path):
+    r = stepscope_dataloader(tmp_path, script("loader_none.py"))
+    assert r.returncode != 0, r.describe()
+    assert "loader_none: done after 20 steps" in r.stdout, r.describe()  # nothing to capture: it ran to its end
+    assert "stepscope.measure_loader" in r.stderr, r.describe()
+    assert "never iterated a torch DataLoader" in r.stderr, r.describe()
+    assert "Traceback" not in r.stderr, r.describe()
+    assert r.data == {"ranks": []}
+
+
+def test_a_loader_index_that_is_never_built_is_named(tmp_path):
+    r = stepscope_dataloader(
+        tmp_path, "--loader", "5", script("loader_train_val.py"), "--validate-first", "--epochs", "0"
+    )
+    assert r.returncode != 0, r.describe()
+    assert "never iterated a torch DataLoader" not in r.stderr, r.describe()
+    assert "--loader" in r.stderr or "loader 5" in r.stderr, r.describe()
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        pytest.param(
+            "cuda",
+            "--device cuda: torch sees no CUDA device on this machine.",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA"),
+        ),
+        ("mps", "--device mps: copies are timed on CUDA devices only"),
+    ],
+)
+def test_a_device_that_cannot_be_timed_is_refused_before_the_script_starts(tmp_path, device, message):
+    r = stepscope_dataloader(tmp_path, "--device", device, script("loader_train_val.py"), batches=5, warmup=1)
+    assert r.returncode == 2, r.describe()
+    assert message in r.stderr, r.describe()
+    assert "loader_train_val: built" not in r.stdout, r.describe()
+    assert "Traceback" not in r.stderr, r.describe()
+
+
+# -- several ranks ---------------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_ranks_each_with_its_distributed_sampler(tmp_path):
+    # Rank 1 sleeps 1 ms more per sample than rank 0: their ceilings differ, and the cluster's is their sum.
+    r = stepscope_dataloader(tmp_path, "--", *torchrun(script("loader_ddp.py")), batches=20, warmup=2, timeout=240)
+    assert r.returncode == 0, r.describe()
+    assert "loader_ddp: rank" not in r.stdout, r.describe()
+    d = r.data
+    ranks = d["ranks"]
+    assert [rank["rank"] for rank in ranks] == [0, 1], r.describe()
+    rates = {rank["rank"]: rank["loader"]["samples_per_s"] for rank in ranks}
+    for rank in ranks:
+        assert rank["dataset"] == "SleepyDataset" and rank["dataset_length"] == 2048, rank
+        assert rank["loader"]["batches"] == 20, rank
+        assert "error" not in rank, rank
+    assert d["cluster_samples_per_s"] == pytest.approx(rates[0] + rates[1], rel=1e-9), d
+    spread = d["rank_samples_per_s"]
+    assert spread["min"] == pytest.approx(min(rates.values()))
+    assert spread["max"] == pytest.approx(max(rates.values()))
+    assert spread["mean"] == pytest.approx((rates[0] + rates[1]) / 2)
+    assert rates[0] > rates[1], rates  # 8 x 0.5 ms against 8 x 1.5 ms of sleep per batch
+    assert d["loader"]["samples_per_s"] == pytest.approx(rates[0])  # rank 0's loader at the top
+    assert "ranks: 2 · samples/s per rank min" in r.text, r.describe()
+    assert "cluster ceiling" in r.text, r.describe()
