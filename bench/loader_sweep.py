@@ -6,14 +6,13 @@ For each workload — a CPU-bound dataset (every sample busy-waits --sample-ms, 
 
 1. swept --sweeps times with `sweep_loader` at its default batches/warm-up (100 / 10) and --budget-s: wall time
    of each sweep and the setting it names best;
-2. measured exhaustively: every candidate setting of the sweep (`candidate_settings`, same cores), rebuilt fresh
+2. measured exhaustively: every first-round candidate (`candidate_settings`, same cores), every setting a sweep
+   tried (it goes past the cores when the workers mostly wait), and the --beyond worker counts, each rebuilt fresh
    and measured with `measure_loader` for --batches batches after --warmup, --repeats times in round-robin order
    (so that drift on a shared machine hits every setting alike); the median samples/s per setting, and the best.
 
 The figure of merit is pick_rate / best_rate: the exhaustive median rate of the setting the sweep picked over the
-exhaustive best median rate among the sweep's candidates (1.0 = the sweep found the best setting, or one as fast).
---beyond also measures worker counts the sweep never tries (more workers than cores, which an I/O-bound dataset
-can use), reported apart as pick_rate / overall_best_rate.
+best exhaustive median rate of all settings measured (1.0 = the sweep found the best setting, or one as fast).
 
     python bench/loader_sweep.py [--workloads cpu,io] [--sample-ms 1] [--batch-size 16] [--samples 20000]
                                  [--budget-s 120] [--sweeps 3] [--batches 300] [--warmup 20] [--repeats 3]
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from stepscope.analyses.loader import (
     LoaderSettings,
+    SweepResult,
     candidate_settings,
     measure_loader,
     rebuild_loader,
@@ -91,10 +91,12 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
           f"(one process: at most {true_rate:,.0f} samples/s) ==", flush=True)  # fmt: skip
 
     sweeps = []
+    sweep_runs: list[SweepResult] = []
     for i in range(args.sweeps):
         started = time.perf_counter()
         sweep = sweep_loader(loader, budget_s=args.budget_s, cores=cores)
         wall = time.perf_counter() - started
+        sweep_runs.append(sweep)
         pick = sweep.best.settings if sweep.best is not None else None
         sweeps.append(
             {
@@ -116,46 +118,43 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
         )
 
     current = LoaderSettings(0, None, False, False)
-    candidates = candidate_settings(current, cores, torch.cuda.is_available())
-    beyond = [
-        LoaderSettings(int(w), 2, False, True)
-        for w in filter(None, args.beyond.split(","))
-        if all(s.num_workers != int(w) for s in candidates)
-    ]
-    rates: dict[tuple[int, int, bool], list[float]] = {key(s): [] for s in [*candidates, *beyond]}
+    # Every setting any sweep tried (it goes past the cores when workers wait), the first-round candidates, and
+    # the --beyond worker counts: the exhaustive search measures all of them.
+    tried = [t.settings for run in sweep_runs for t in run.trials]
+    settings_all: list[LoaderSettings] = []
+    for settings in [
+        *candidate_settings(current, cores, torch.cuda.is_available()),
+        *tried,
+        *(LoaderSettings(int(w), 2, False, True) for w in filter(None, args.beyond.split(","))),
+    ]:
+        if all(key(settings) != key(seen) for seen in settings_all):
+            settings_all.append(settings)
+    rates: dict[tuple[int, int, bool], list[float]] = {key(s): [] for s in settings_all}
     started = time.perf_counter()
     for _ in range(args.repeats):
-        for settings in [*candidates, *beyond]:
+        for settings in settings_all:
             result = measure_loader(rebuild_loader(loader, settings), batches=args.batches, warmup=args.warmup)
             rates[key(settings)].append(result.samples_per_s or 0.0)
     exhaustive_wall = time.perf_counter() - started
     medians = {k: statistics.median(v) for k, v in rates.items()}
-    best_key = max((key(s) for s in candidates), key=lambda k: medians[k])
+    best_key = max(medians, key=lambda k: medians[k])
     best_rate = medians[best_key]
-    overall_key = max(medians, key=lambda k: medians[k])
-    names = {key(s): label(s) for s in candidates}
-    names.update({key(s): label(s) + " (not a candidate)" for s in beyond})
+    swept = {key(s) for s in tried}
+    names = {key(s): label(s) + ("" if key(s) in swept else " (no sweep tried it)") for s in settings_all}
     print(f"exhaustive ({args.repeats} x {args.batches} batches per setting, {exhaustive_wall:.0f} s):")
     for k in sorted(medians, key=lambda k: -medians[k]):
         spread = f"{min(rates[k]):,.0f}–{max(rates[k]):,.0f}"
         print(f"  {names[k]:<42} median {medians[k]:>9,.0f} samples/s  (runs {spread})  {medians[k] / best_rate:.3f}")
-    for s in sweeps:
-        s["pick_rate"] = medians.get(s["pick_key"]) if s["pick_key"] is not None else None
-        s["pick_over_best"] = None if s["pick_rate"] is None else s["pick_rate"] / best_rate
-        s["pick_over_overall"] = None if s["pick_rate"] is None else s["pick_rate"] / medians[overall_key]
-    ratios = [s["pick_over_best"] for s in sweeps if s["pick_over_best"] is not None]
+    for run in sweeps:
+        run["pick_rate"] = medians.get(run["pick_key"]) if run["pick_key"] is not None else None
+        run["pick_over_best"] = None if run["pick_rate"] is None else run["pick_rate"] / best_rate
+    ratios = [run["pick_over_best"] for run in sweeps if run["pick_over_best"] is not None]
     print(
         f"best: {names[best_key]} {best_rate:,.0f} samples/s; sweep picks: "
-        + ", ".join(f"{s['pick']} ({s['pick_over_best']:.3f})" for s in sweeps if s["pick_over_best"] is not None)
-        + f"; sweep wall median {statistics.median(s['wall_s'] for s in sweeps):.1f} s",
+        + ", ".join(f"{r['pick']} ({r['pick_over_best']:.3f})" for r in sweeps if r["pick_over_best"] is not None)
+        + f"; sweep wall median {statistics.median(r['wall_s'] for r in sweeps):.1f} s",
         flush=True,
     )
-    if overall_key != best_key:
-        print(
-            f"outside the candidates: {names[overall_key]} {medians[overall_key]:,.0f} samples/s; the sweep's pick "
-            f"reaches {best_rate / medians[overall_key]:.3f} of it at best",
-            flush=True,
-        )
     return {
         "workload": name,
         "dataset": type(dataset).__name__,
@@ -168,13 +167,6 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
         "best_rate": best_rate,
         "pick_over_best_median": statistics.median(ratios) if ratios else None,
         "pick_over_best_min": min(ratios) if ratios else None,
-        "overall_best": names[overall_key],
-        "overall_best_rate": medians[overall_key],
-        "pick_over_overall_median": statistics.median(
-            s["pick_over_overall"] for s in sweeps if s["pick_over_overall"] is not None
-        )
-        if ratios
-        else None,
     }
 
 
@@ -190,7 +182,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20, help="exhaustive: warm-up batches per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="exhaustive: measurements per setting")
     parser.add_argument(
-        "--beyond", default="4,8", help="exhaustive: also these worker counts, outside the sweep's candidates ('' off)"
+        "--beyond", default="4,8", help="exhaustive: also these worker counts (prefetch 2), tried by a sweep or not ('' off)"
     )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
