@@ -182,7 +182,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20, help="exhaustive: warm-up batches per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="exhaustive: measurements per setting")
     parser.add_argument(
-        "--beyond", default="4,8", help="exhaustive: also these worker counts (prefetch 2), tried by a sweep or not ('' off)"
+        "--beyond", default="4,8", help="exhaustive: also these worker counts (prefetch 2); '' for none"
     )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
