@@ -270,9 +270,10 @@ def test_a_device_that_cannot_be_timed_is_refused_before_the_script_starts(tmp_p
 
 def test_torchrun_two_ranks_each_with_its_distributed_sampler(tmp_path):
     # Rank 1 sleeps 1 ms more per sample than rank 0: their ceilings differ, and the cluster's is their sum.
-    r = stepscope_dataloader(tmp_path, "--", *torchrun(script("loader_ddp.py")), batches=20, warmup=2, timeout=240)
+    launcher = torchrun(script("ddp.py"), "--extra-ms", "1.0", "--epochs", "2", "--samples", "2048")
+    r = stepscope_dataloader(tmp_path, "--", *launcher, batches=20, warmup=2, timeout=240)
     assert r.returncode == 0, r.describe()
-    assert "loader_ddp: rank" not in r.stdout, r.describe()
+    assert "ddp: rank" not in r.stdout, r.describe()
     d = r.data
     ranks = d["ranks"]
     assert [rank["rank"] for rank in ranks] == [0, 1], r.describe()

@@ -69,21 +69,27 @@ def _target(command: list[str], usage: str) -> Any:
     return script_target(command[0], command[1:])
 
 
-def _run(args: argparse.Namespace) -> int:
-    from stepscope.instrument.launch import run
+def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
+    """The RunConfig of a measuring verb (run, doctor) from its shared options (see ``_measure_options``)."""
     from stepscope.instrument.tracker import RunConfig
-    from stepscope.report.terminal import print_summary
 
-    target = _target(args.command, RUN_USAGE)
-    config = RunConfig(
+    return RunConfig(
         out_dir="",
         warmup=args.warmup,
         steps=args.steps,
-        stop=not args.no_stop,
         batch_size=args.batch_size,
         checkpoint_s=args.checkpoint_s,
         system_interval_s=_interval(args.sample_hz),
+        **extra,
     )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stepscope.instrument.launch import run
+    from stepscope.report.terminal import print_summary
+
+    target = _target(args.command, RUN_USAGE)
+    config = _measure_config(args, stop=not args.no_stop)
     code, summary = run(target, config)
     sys.stdout.flush()
     print_summary(summary)
@@ -93,9 +99,16 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
-def _params(args: argparse.Namespace) -> int:
+def _write_json(path_text: str, data: Any, what: str) -> None:
     import orjson
 
+    path = Path(path_text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+    print(f"{what} written to {path_text}")
+
+
+def _params(args: argparse.Namespace) -> int:
     from stepscope.analyses.params import combine
     from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
@@ -117,28 +130,19 @@ def _params(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     print_params(result, summary, include_zero_grad=args.include_zero_grad)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-        print(f"audit written to {args.json}")
+        _write_json(args.json, result, "audit")
     return code
 
 
 def _doctor(args: argparse.Namespace) -> int:
     from stepscope.doctor.checkup import examine, lint_script, script_path
     from stepscope.instrument.launch import run
-    from stepscope.instrument.tracker import RunConfig
     from stepscope.report.terminal import print_doctor
 
     target = _target(args.command, DOCTOR_USAGE)
     lint, notes = lint_script(script_path(target.argv[1:]))
-    config = RunConfig(
-        out_dir="",
-        warmup=args.warmup,
-        steps=args.steps,
-        checkpoint_s=args.checkpoint_s,
-        batch_size=args.batch_size,
-        system_interval_s=_interval(args.sample_hz),
+    config = _measure_config(
+        args,
         # The parameter audit's hooks run during the first warm-up passes only, then come off.
         params_steps=max(1, min(3, args.warmup)),
         audit_continue=True,
@@ -162,8 +166,6 @@ NO_LOADER = (
 
 
 def _dataloader(args: argparse.Namespace) -> int:
-    import orjson
-
     from stepscope.analyses.loader import combine_ranks
     from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
@@ -207,10 +209,7 @@ def _dataloader(args: argparse.Namespace) -> int:
         print(f"stepscope: the loader could not be measured ({'; '.join(failures)}).", file=sys.stderr)
     print_loader(result, summary)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-        print(f"loader figures written to {args.json}")
+        _write_json(args.json, result, "loader figures")
     if not results:
         return code or 1
     return 0 if code == 0 and "loader" in result else code or 1

@@ -1,7 +1,8 @@
 """DDP over gloo, launched by torchrun: a DistributedSampler per rank, and one slow rank.
 
 Every sample sleeps --sample-ms in __getitem__; on rank --slow-rank it sleeps --extra-ms more, so that rank is
-the straggler and the time it loses is spent in data_wait.
+the straggler and the time it loses is spent in data_wait (and its loader ceiling is the lower one).
+"ddp: rank N trained" is printed only after the last epoch.
 """
 
 import argparse
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=1000)
+    parser.add_argument("--samples", type=int, default=1024)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -44,7 +46,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     sample_ms = args.sample_ms + (args.extra_ms if rank == args.slow_rank else 0.0)
-    dataset = SleepyDataset(1024, sample_ms)
+    dataset = SleepyDataset(args.samples, sample_ms)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
@@ -57,6 +59,7 @@ def main() -> None:
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 optimizer.step()
+        print(f"ddp: rank {rank} trained", flush=True)
     finally:
         dist.destroy_process_group()
 
