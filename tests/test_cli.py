@@ -54,6 +54,21 @@ def test_show_prints_the_phase_table(summary_path, capsys):
     assert "bound: unknown [confidence low]" in out
 
 
+def test_show_prints_a_doctor_summary_with_its_fixes(summary_path, capsys):
+    from stepscope.doctor.checkup import examine
+    from stepscope.doctor.lint import LintHit
+    from stepscope.summary import RunSummary
+
+    summary = RunSummary.from_json(summary_path)
+    examine(summary, [LintHit("anomaly", 3, "torch.autograd.set_detect_anomaly(True)")])
+    summary.to_json(summary_path)
+    assert main(["show", str(summary_path)]) == 0
+    out, _ = capsys.readouterr()
+    assert "verdict: compute (confidence high)" in out
+    assert "1. Turn off autograd anomaly detection [debug.anomaly · config · ≤ 90% of step time]" in out
+    assert "seen: line 3: torch.autograd.set_detect_anomaly(True)" in out
+
+
 def test_show_missing_file(capsys):
     assert main(["show", "missing.json"]) == 2
     out, err = capsys.readouterr()

@@ -561,3 +561,19 @@ def test_a_scope_dropped_without_close_stops_its_sampler():
 def test_system_interval_is_checked_up_front(interval):
     with pytest.raises(ValueError):
         Scope(system_interval_s=interval)
+
+
+def test_metrics_carry_the_latest_system_readings():
+    scope = Scope(warmup=0, window=5, system_interval_s=0.05)
+    for _ in range(3):
+        with scope.phase("forward"):
+            time.sleep(0.04)
+        scope.step(batch_size=2)
+    deadline = time.monotonic() + 3
+    while "sys/cpu_util" not in scope.metrics() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    metrics = scope.metrics()
+    scope.close()
+    assert metrics["sys/cpu_util"] >= 0 and "perf/step_time" in metrics
+    assert not any(key.startswith("sys/gpu") for key in metrics)  # no GPU in use: absent, not zero
+    assert not any(key.startswith("sys/") for key in scope.metrics())  # closed: no live readings

@@ -12,9 +12,13 @@ from stepscope.summary import RunSummary, SummaryError
 
 
 def _show(args: argparse.Namespace) -> int:
-    from stepscope.report.terminal import print_summary
+    from stepscope.report.terminal import print_doctor, print_summary
 
-    print_summary(RunSummary.from_json(args.summary))
+    summary = RunSummary.from_json(args.summary)
+    if summary.fixes:
+        print_doctor(summary)  # a doctor's summary: the verdict's evidence and the ranked fixes too
+    else:
+        print_summary(summary)
     return 0
 
 

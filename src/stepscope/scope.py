@@ -100,6 +100,9 @@ class _NoCollectors:
     def stop(self, steps: int | None = None, samples: int | None = None) -> dict[str, Any]:
         return {}
 
+    def snapshot(self) -> dict[str, float]:
+        return {}
+
 
 NO_COLLECTORS = _NoCollectors()
 
@@ -281,7 +284,9 @@ class Scope:
         ``perf/step_time`` (s), ``perf/data_time`` (s in data_wait), ``perf/compute_time`` (s: device time of
         every other top-level phase when CUDA-timed, counted over the window's harvested steps; host step time
         minus data time otherwise), ``perf/train_capacity`` (samples/s = batch / step time, when batch size is
-        known). Empty during warm-up.
+        known). Empty during warm-up. With the system sampler running, also its latest readings: ``sys/cpu_util``
+        and ``sys/workers_cpu_util`` (% of one core), ``sys/gpu_util`` (%), ``sys/power_w`` (W), ``sys/sm_clock_ratio``
+        and the others of docs/collectors.md, each when measured.
         """
         recent = self._recorder.recent
         if not recent:
@@ -302,6 +307,7 @@ class Scope:
         sampled_s = sum(r.step_ns for r in sampled) / 1e9
         if sampled and sampled_s > 0:
             out["perf/train_capacity"] = sum(r.samples or 0 for r in sampled) / sampled_s
+        out.update(self._collectors.snapshot())
         return out
 
     def postfix(self) -> str:
@@ -448,6 +454,9 @@ class _Closed:
         return self._system
 
     stop = peek
+
+    def snapshot(self) -> dict[str, float]:
+        return {}
 
 
 def enabled_scope(**kwargs: Any) -> Scope:
