@@ -17,7 +17,6 @@ from typing import Any
 MB = 1 << 20
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 CONV_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
-FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")  # torch's optimizers with a fused kernel (CPU and CUDA)
 
 
 def torch_flags() -> dict[str, Any]:

@@ -72,7 +72,6 @@ class _Visitor(ast.NodeVisitor):
         self.aliases = aliases
         self.hits: list[LintHit] = []
         self.loop_depth = 0
-        self.function_depth = 0
 
     def hit(self, kind: str, node: ast.AST) -> None:
         line = getattr(node, "lineno", 0)

@@ -32,7 +32,6 @@ MIN_COPY_SHARE = 0.01  # host-to-device copies: small shares still block the lau
 MIN_STALL_SHARE = 0.02  # epoch-start stalls below this share of epoch time are not worth a fix
 BURSTY_MEDIAN = 0.2  # median fetch below this fraction of the mean ...
 BURSTY_P95 = 4.0  # ... and p95 above this multiple of the median: bimodal (buffer hits vs blocking on workers)
-MIN_SYNC_SHARE = 0.01
 MIN_HOST_SHARE = 0.30  # GPU idle outside data waits: launch-bound from here
 AMPERE = (8, 0)
 HEADROOM = 0.5  # peak memory below this share of the device: room to spare
