@@ -131,3 +131,15 @@ def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
     fix = next(f for f in s.fixes if f.id == "ddp.find_unused_parameters")
     assert any("found no parameter without a gradient" in line for line in fix.evidence)
     assert any(line.startswith("line 15: model = DistributedDataParallel(") for line in fix.evidence), fix.evidence
+
+
+def test_compilation_inside_the_measured_steps_is_named(tmp_path):
+    r = doctor(tmp_path, script("compiled.py"), warmup=0, steps=10, timeout=300)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.facts["dynamo"]["graphs_in_window"] >= 1, s.facts.get("dynamo")
+    ids = [f.id for f in s.fixes]
+    assert "hygiene.compile_in_window" in ids, ids
+    fix = next(f for f in s.fixes if f.id == "hygiene.compile_in_window")
+    assert fix.gain_bound is None and "measurement" in fix.gain_reason
+    assert fix.evidence[0].endswith("graph(s) compiled during the measured steps")

@@ -145,7 +145,8 @@ class Tracker:
         # Described when first seen: by exit time a script's main() has returned and its objects are gone.
         self._models: dict[int, dict[str, Any]] = {}
         self._optimizers: dict[int, dict[str, Any]] = {}
-        self._graphs_at_measure: int | None = None
+        # graphs compiled when measuring began; with no warm-up that is now, before torch.compile could run
+        self._graphs_at_measure: int | None = 0 if scope._recorder.measuring else None
         self._h2d = {"copies": 0, "non_blocking": 0, "to_cuda": 0, "pinned_source": 0}
         self.zero_grad_set_to_none: bool | None = None
         self.facts_failure: str | None = None
