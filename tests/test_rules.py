@@ -958,6 +958,12 @@ def slow_tail_after_enough_warmup() -> Case:
 
 
 @negative("hygiene.warmup")
+def slow_steps_at_epoch_restarts() -> Case:
+    # The slow tail comes from each epoch's start (new workers), not from too short a warm-up.
+    return Case(healthy(warmup=1, stats={"total": {"p95_ms": 350.0}}, epochs=_epochs([400.0, 400.0])))
+
+
+@negative("hygiene.warmup")
 def little_warmup_steady_steps() -> Case:
     return Case(healthy(warmup=1, stats={"total": {"p95_ms": 290.0}}))
 

@@ -919,6 +919,8 @@ def _warmup(case: Case) -> Finding | None:
     total = case.summary.phases.get(TOTAL)
     if total is None or case.summary.steps.warmup >= 5 or total.p95_ms < 3 * total.median_ms:
         return None
+    if any(e.index > 0 for e in case.summary.epochs):
+        return None  # epoch restarts explain periodic slow steps as well as a short warm-up would
     evidence = [
         f"only {case.summary.steps.warmup} warm-up step(s)",
         f"step time p95 {total.p95_ms:.1f} ms against a median of {total.median_ms:.1f} ms",

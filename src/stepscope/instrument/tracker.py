@@ -389,7 +389,10 @@ class Tracker:
             return
         from stepscope.analyses.loader import run_loader_job
 
-        job = {"batches": batches, "warmup": max(1, batches // 10), "time_limit_s": self.config.ceiling_time_s}
+        warmup = max(1, batches // 10)
+        if state.info.length:  # short epochs: keep most of one epoch for measuring
+            warmup = min(warmup, max(1, state.info.length // 5))
+        job = {"batches": batches, "warmup": warmup, "time_limit_s": self.config.ceiling_time_s}
         self.loader_result = run_loader_job(loader, job, state.info.index)
 
     # -- `stepscope dataloader` ----------------------------------------------------------------------------------
