@@ -681,3 +681,48 @@ def test_real_nvml_on_a_busy_gpu():
     assert system["memory"]["max_allocated_mb"] >= 64 and system["memory"]["ooms"] == 0
     assert system["energy"]["per_step_j"] == pytest.approx(system["energy"]["total_j"] / 10, rel=0.01)
     json.dumps(system)
+
+
+def test_pynvml_backend_falls_back_to_the_old_throttle_reasons_call(monkeypatch):
+    import types
+
+    from stepscope.collectors.nvml import NvmlUnsupported, PynvmlBackend
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        NVML_ERROR_NOT_SUPPORTED=3,
+        NVML_ERROR_NO_PERMISSION=4,
+        NVML_ERROR_FUNCTION_NOT_FOUND=13,
+        calls=[],
+    )
+
+    def new_name(handle):  # a pynvml newer than the driver: the renamed function is not in the driver
+        fake.calls.append("event")
+        raise NVMLError(13)
+
+    def old_name(handle):
+        fake.calls.append("throttle")
+        return 0x4
+
+    fake.nvmlDeviceGetCurrentClocksEventReasons = new_name
+    fake.nvmlDeviceGetCurrentClocksThrottleReasons = old_name
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    backend = PynvmlBackend()
+    assert backend.throttle_reasons("h") == 0x4
+    assert backend.throttle_reasons("h") == 0x4
+    assert fake.calls == ["event", "throttle", "throttle"]  # the old name from then on
+
+    def unsupported(handle):
+        raise NVMLError(3)
+
+    fake.nvmlDeviceGetCurrentClocksThrottleReasons = unsupported
+    backend = PynvmlBackend()
+    backend._old_reasons = unsupported
+    backend._reasons = new_name
+    with pytest.raises(NvmlUnsupported):
+        backend.throttle_reasons("h")

@@ -53,11 +53,10 @@ class PynvmlBackend:
         except ImportError:
             raise NvmlUnavailable(NOT_INSTALLED) from None
         self._nv = pynvml
-        # Renamed in newer drivers; the bits are the same.
-        self._reasons = (
-            getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        )
+        # Renamed in drivers >= 535 ("clocks event reasons"); the bits are the same. A newer pynvml on an older
+        # driver finds no such function there, and falls back to the old name at the first call.
+        self._old_reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        self._reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or self._old_reasons
 
     def init(self) -> None:
         nv = self._nv
@@ -74,7 +73,8 @@ class PynvmlBackend:
         try:
             return fn(*args)
         except nv.NVMLError as error:
-            if error.value in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_NO_PERMISSION):
+            unsupported = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_NO_PERMISSION, nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+            if error.value in unsupported:  # FUNCTION_NOT_FOUND: a driver older than this pynvml
                 raise NvmlUnsupported(str(error)) from error
             raise
 
@@ -117,7 +117,13 @@ class PynvmlBackend:
         return float(self._call(self._nv.nvmlDeviceGetTemperature, handle, self._nv.NVML_TEMPERATURE_GPU))
 
     def throttle_reasons(self, handle: Any) -> int:
-        return int(self._call(self._reasons, handle))
+        try:
+            return int(self._call(self._reasons, handle))
+        except NvmlUnsupported:
+            if self._old_reasons is None or self._reasons is self._old_reasons:
+                raise
+            self._reasons = self._old_reasons
+            return int(self._call(self._reasons, handle))
 
 
 def init_failure_reason(nv: Any, error: Exception) -> str:
