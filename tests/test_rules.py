@@ -1436,4 +1436,31 @@ def test_refine_weighs_the_loader_ceiling_against_training():
     )
     summary.dataloader["against_training"].update(loader_ceiling=400.0, headroom=4.0, input_bound=False)
     assert refine(summary, balanced) == balanced
-    assert refine(summary, DATA_VERDICT).evidence[-1].startswith("yet the loader alone delivers 4.0×")
+
+
+@pytest.mark.parametrize(
+    ("headroom", "says"),
+    [
+        # data_wait is 80% of the step: a loader fetching in turn with the step would give 1/0.8 = 1.25x
+        (1.2, "the loader alone delivers 1.20× what training consumed, as a loader that waits 80% of the step would"),
+        (1.7, None),  # between 1.25x and 1.5x of the expected ratio: no claim either way
+        (4.0, "yet the loader alone delivers 4.0× what training consumed, more than its 80% wait explains"),
+    ],
+)
+def test_refine_says_whether_the_loader_speed_explains_the_wait(headroom, says):
+    summary = healthy()
+    summary.phases["data_wait"] = dataclasses.replace(summary.phases["data_wait"], share=0.8, nested=False)
+    summary.dataloader = {
+        "against_training": {
+            "loader_ceiling": 100.0 * headroom,
+            "train_rate": 100.0,
+            "headroom": headroom,
+            "input_bound": False,
+        }
+    }
+    evidence = refine(summary, DATA_VERDICT).evidence
+    added = evidence[len(DATA_VERDICT.evidence) :]
+    if says is None:
+        assert added == []
+    else:
+        assert len(added) == 1 and added[0].startswith(says), added

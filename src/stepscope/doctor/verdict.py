@@ -28,6 +28,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 MIN_STEPS = 3
 MIN_SHARE = 0.40
 HIGH_SHARE = 0.60
+EXPLAINED = 1.25  # ceiling/training ratio up to 1.25x of 1/data_share: the loader's speed explains the wait
+UNEXPLAINED = 1.5  # above 1.5x of it, while waiting for data: something else slows the loader inside training
 MIN_RETRY_RATE = 0.05  # allocator retries per measured step from which memory pressure is the verdict
 
 
@@ -93,6 +95,38 @@ def classify(summary: RunSummary) -> Verdict:
     return refine(summary, Verdict(group, confidence, _evidence(summary, group, share)))
 
 
+def _ceiling_evidence(summary: RunSummary, against: dict) -> list[str]:
+    """What the loader's ceiling says next to the training rate.
+
+    A loader whose batches are fetched in turn with the step (no workers, or workers that cannot get ahead) gives
+    a ceiling of about 1/d times the training rate, d being the data_wait share: that ratio means the loader's own
+    speed explains the wait. A ceiling far above it while the step waits for data means something else makes the
+    loader slow inside training (workers restarted each epoch, CPUs shared with the training process)."""
+    ratio = against["headroom"]
+    if against["input_bound"]:
+        return [
+            f"the loader alone delivers {against['loader_ceiling']:.1f} samples/s, only {ratio:.2f}× the "
+            f"{against['train_rate']:.1f} samples/s training consumed: the input pipeline is the bottleneck"
+        ]
+    stats = summary.phases.get("data_wait")
+    data = 0.0 if stats is None or stats.nested else stats.share
+    if data < MIN_SHARE:
+        return []
+    expected = 1 / data
+    if ratio <= EXPLAINED * expected:
+        return [
+            f"the loader alone delivers {ratio:.2f}× what training consumed, as a loader that waits {100 * data:.0f}% "
+            "of the step would: its own speed explains the wait"
+        ]
+    if ratio > UNEXPLAINED * expected:
+        return [
+            f"yet the loader alone delivers {ratio:.1f}× what training consumed, more than its {100 * data:.0f}% "
+            "wait explains: inside training something else slows it (workers restarted each epoch, CPUs shared "
+            "with the training process)"
+        ]
+    return []
+
+
 def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
     """Correct or support a phase-share verdict with the system samples and runtime facts, when measured."""
     signals = {s["id"]: s.get("evidence", "") for s in summary.system.get("signals", [])}
@@ -109,19 +143,9 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
     extra = [signals[name] for name in ("transform_bound", "io_bound") if verdict.bound == "data" and name in signals]
     against = summary.dataloader.get("against_training")
     if against is not None:
-        ratio = against["headroom"]
-        if against["input_bound"]:
-            extra.append(
-                f"the loader alone delivers {against['loader_ceiling']:.1f} samples/s, only {ratio:.2f}× the "
-                f"{against['train_rate']:.1f} samples/s training consumed: the input pipeline is the bottleneck"
-            )
-            if verdict.bound == "balanced":
-                return Verdict("data", "medium", extra + verdict.evidence)
-        elif verdict.bound == "data":
-            extra.append(
-                f"yet the loader alone delivers {ratio:.1f}× what training consumed: the waiting is not the loader's "
-                "speed (a loader rebuilt each epoch, worker start-up, contention for CPUs)"
-            )
+        extra += _ceiling_evidence(summary, against)
+        if against["input_bound"] and verdict.bound == "balanced":
+            return Verdict("data", "medium", extra + verdict.evidence)
     if "throttled" in signals:
         extra.append(signals["throttled"])
     threads = summary.facts.get("threads", {})
