@@ -143,3 +143,21 @@ def test_compilation_inside_the_measured_steps_is_named(tmp_path):
     fix = next(f for f in s.fixes if f.id == "hygiene.compile_in_window")
     assert fix.gain_bound is None and "measurement" in fix.gain_reason
     assert fix.evidence[0].endswith("graph(s) compiled during the measured steps")
+
+
+def test_script_path_finds_a_module_file_without_importing_it(tmp_path, monkeypatch):
+    from stepscope.doctor.checkup import script_path
+
+    package = tmp_path / "proj" / "train"
+    package.mkdir(parents=True)
+    (tmp_path / "proj" / "__init__.py").write_text("raise RuntimeError('imported')\\n")
+    (package / "__init__.py").write_text("")
+    (package / "main.py").write_text("print('hi')\\n")
+    (package / "__main__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert script_path(["-m", "proj.train.main", "--lr", "1"]) == tmp_path / "proj" / "train" / "main.py"
+    assert script_path(["-m", "proj.train"]) == tmp_path / "proj" / "train" / "__main__.py"
+    assert script_path(["-m", "not.there"]) is None
+    assert script_path(["--nproc-per-node", "2", "train.py"]) is None  # named but missing
+    (tmp_path / "train.py").write_text("")
+    assert script_path(["--nproc-per-node", "2", "train.py"]) == Path("train.py")

@@ -18,9 +18,16 @@ from stepscope.summary import RunSummary
 
 
 def script_path(argv: list[str]) -> Path | None:
-    """The training script in a command line (``python train.py``, ``torchrun ... train.py``): its first
-    ``.py`` argument that exists; None for ``-m`` modules and commands without one."""
-    for word in argv:
+    """The training script in a command line: its first ``.py`` argument that exists (``python train.py``,
+    ``torchrun ... train.py``), or the file of a ``-m package.module`` found under the current directory (read
+    from disk, never imported); None when there is neither."""
+    for i, word in enumerate(argv):
+        if word == "-m" and i + 1 < len(argv):
+            base = Path.cwd().joinpath(*argv[i + 1].split("."))
+            for candidate in (base.with_suffix(".py"), base / "__main__.py"):
+                if candidate.is_file():
+                    return candidate
+            return None
         if word.endswith(".py") and Path(word).is_file():
             return Path(word)
     return None
