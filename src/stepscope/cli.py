@@ -40,6 +40,7 @@ _VALUED = {
     "--loader",
     "--against",
     "--ceiling-batches",
+    "--metrics-jsonl",
 }
 _SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
@@ -84,6 +85,7 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
         batch_size=args.batch_size,
         checkpoint_s=args.checkpoint_s,
         system_interval_s=_interval(args.sample_hz),
+        metrics_jsonl=args.metrics_jsonl,
         **extra,
     )
 
@@ -258,6 +260,12 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
         type=float,
         default=30.0,
         help="each process writes its figures so far this often (s), so a killed process still leaves them",
+    )
+    verb.add_argument(
+        "--metrics-jsonl",
+        metavar="PATH",
+        help="write each measured step's perf/ and sys/ metrics here, one JSON line per step ('{rank}' in the path "
+        "names each rank's file; without it ranks get a .rankN suffix)",
     )
     verb.add_argument(
         "--sample-hz",

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
 from stepscope.record import DATA_PHASE, OTHER_PHASE, Recorder, StepRecord, summarize
+from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary
 
 log = logging.getLogger("stepscope")
@@ -202,6 +203,9 @@ class Scope:
         window: steps in the window behind ``metrics()`` and ``postfix()``.
         timing: "auto" (CUDA events once CUDA is in use when measuring starts), "host", or "cuda".
         exact_limit: steps kept exactly for quantiles; past it, quantiles have <= 1% relative error.
+        sinks: where ``metrics()`` goes every ``log_every`` measured steps (``stepscope.sinks``: JsonlSink, ...);
+            a sink that fails warns once and is dropped. ``close()`` (or interpreter exit) closes them.
+        log_every: write to the sinks every this many measured steps, >= 1.
         system_interval_s: seconds between samples of host CPU/memory and GPU utilisation, clocks, power and energy
             (NVML), from the first measured step until ``close()``; 0.05 (20 Hz) at the fastest; None samples
             nothing. At 1 s the sampler thread costs ~0.1% of one core (docs/benchmarks.md).
@@ -222,12 +226,22 @@ class Scope:
         window: int = 20,
         timing: str = "auto",
         exact_limit: int = 10_000,
+        sinks: Iterable[Sink] | None = None,
+        log_every: int = 1,
         system_interval_s: float | None = 1.0,
         clock: Clock = now_ns,
         events: EventSource | None = None,
     ) -> None:
         if timing not in TIMINGS:
             raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        self._sinks = SinkSet(sinks) if sinks else NO_SINKS
+        self._log_every = log_every
+        # A null object on the step path when nothing is logged: no test per step.
+        self._log_step = self._write_sinks if self._sinks else _no_log
+        if self._sinks:
+            weakref.finalize(self, self._sinks.close)  # closed at interpreter exit if never closed
         if system_interval_s is not None:
             from stepscope.collectors.sampler import check_interval
 
@@ -356,9 +370,19 @@ class Scope:
 
         print_summary(self.summary(), file=file)
 
+    @classmethod
+    def from_config(cls, config: Any, key: str = "debug.enable_perf_metrics", **kwargs: Any) -> Any:
+        """A Scope switched on by ``key`` in ``config`` (a dict, a dataclass, an OmegaConf/argparse-style object;
+        dotted keys go down nested levels), or ``NULL_SCOPE`` when it is false or absent. ``STEPSCOPE=1/0`` in the
+        environment overrides the config. Other keyword arguments go to ``Scope``."""
+        return cls(_config_flag(config, key), **kwargs)
+
     def close(self) -> None:
-        """Stop the system sampler (its thread is a daemon: a scope never closed does not keep the process
-        alive). ``summary()`` still works after it, with the figures up to the close."""
+        """Stop the system sampler and close the sinks (its thread is a daemon: a scope never closed does not keep
+        the process alive; sinks are closed at interpreter exit). ``summary()`` still works after it, with the
+        figures up to the close."""
+        self._sinks.close()
+        self._log_step = _no_log
         collectors, self._collectors = self._collectors, NO_COLLECTORS
         try:
             final = collectors.stop(steps=self._recorder.measured, samples=self._recorder.samples or None)
@@ -368,6 +392,10 @@ class Scope:
         self._collectors = _Closed(final)
 
     # -- internals ----------------------------------------------------------------------------------------------
+
+    def _write_sinks(self, step: int) -> None:
+        if step % self._log_every == 0:
+            self._sinks.write(step, self.metrics())
 
     def _add(self, name: str, elapsed_ns: int) -> None:
         current = self._current
@@ -396,6 +424,7 @@ class Scope:
             if device.pending_steps:
                 for done, device_s in device.harvest():
                     recorder.add_device(done, device_s)
+            self._log_step(record.index)
         elif recorder.measuring:
             self._start_measuring()
 
@@ -442,6 +471,25 @@ class Scope:
             hostname=socket.gethostname(),
             python_version=platform.python_version(),
         )
+
+
+def _no_log(step: int) -> None:
+    return None
+
+
+def _config_flag(config: Any, key: str) -> bool:
+    """The boolean at dotted ``key`` in a nested dict / attribute config; False when any level is missing."""
+    value = config
+    for part in key.split("."):
+        if isinstance(value, dict) or (hasattr(value, "get") and not hasattr(value, part)):
+            value = value.get(part)
+        else:
+            value = getattr(value, part, None)
+        if value is None:
+            return False
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 class _Closed:

@@ -80,8 +80,10 @@ def _start(config: Any) -> None:
         from stepscope.instrument.hooks import install
         from stepscope.instrument.tracker import Tracker
         from stepscope.scope import enabled_scope
+        from stepscope.sinks import JsonlSink
 
-        scope = enabled_scope(warmup=config.warmup, system_interval_s=config.system_interval_s)
+        sinks = [JsonlSink(rank_path(config.metrics_jsonl))] if config.metrics_jsonl else []
+        scope = enabled_scope(warmup=config.warmup, system_interval_s=config.system_interval_s, sinks=sinks)
         tracker = Tracker(scope, config)
         install(tracker)
     except Exception as error:
@@ -115,6 +117,18 @@ def _chain_excepthook(tracker: Any) -> None:
         previous(kind, value, tb)  # the script's traceback, printed as Python prints it
 
     sys.excepthook = excepthook
+
+
+def rank_path(path: str) -> str:
+    """``path`` for this process: "{rank}" in it is replaced by the rank; a launched rank without the placeholder
+    gets ".rankN" before the suffix, so that ranks never write into one file."""
+    rank = os.environ.get("RANK")
+    if "{rank}" in path:
+        return path.replace("{rank}", rank or "0")
+    if rank is None:
+        return path
+    target = Path(path)
+    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
 
 
 def _rank_meta() -> tuple[int | None, int | None, int | None]:
