@@ -77,6 +77,13 @@ def _target(command: list[str], usage: str) -> Any:
 def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
     """The RunConfig of a measuring verb (run, doctor) from its shared options (see ``_measure_options``)."""
     from stepscope.instrument.tracker import RunConfig
+    from stepscope.sinks import JsonlSink
+
+    if args.metrics_jsonl:
+        try:
+            JsonlSink(args.metrics_jsonl.replace("{rank}", "0"))  # checks the folder before the script starts
+        except OSError as error:
+            raise UsageError(f"--metrics-jsonl {args.metrics_jsonl}: {error}") from None
 
     return RunConfig(
         out_dir="",

@@ -1,0 +1,177 @@
+"""Sinks: the JSONL file, the fan-out that drops a failing sink, a Scope's logging, and the config switch."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+
+import orjson
+import pytest
+from run_helpers import script, stepscope_run
+
+from stepscope import NULL_SCOPE, Scope
+from stepscope.sinks import JsonlSink, SinkSet
+
+
+def lines(path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict]] = []
+        self.closed = 0
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class BrokenSink(ListSink):
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if len(self.rows) + 1 >= self.fail_at:
+            raise OSError(28, "No space left on device")
+        super().write(step, metrics)
+
+
+def test_jsonl_writes_one_flushed_line_per_step_and_appends(tmp_path):
+    path = tmp_path / "deep" / "m.jsonl"
+    sink = JsonlSink(path)
+    assert path.parent.is_dir() and not path.exists()  # opened at the first line only
+    sink.write(3, {"perf/step_time": 0.25})
+    assert lines(path)[0]["step"] == 3 and lines(path)[0]["perf/step_time"] == 0.25  # readable before close
+    sink.write(4, {"perf/step_time": 0.5})
+    sink.close()
+    again = JsonlSink(path)
+    again.write(5, {"perf/step_time": 0.75})
+    again.close()
+    assert [row["step"] for row in lines(path)] == [3, 4, 5]
+    assert all(isinstance(row["time"], float) for row in lines(path))
+    with pytest.raises(ValueError, match="closed"):
+        again.write(6, {})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_jsonl_refuses_a_folder_it_cannot_write(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(PermissionError, match="no write permission"):
+        JsonlSink(locked / "m.jsonl")
+
+
+def test_a_failing_sink_is_dropped_once_and_the_others_go_on(caplog):
+    good, bad = ListSink(), BrokenSink(fail_at=2)
+    sinks = SinkSet([bad, good])
+    with caplog.at_level(logging.WARNING, logger="stepscope"):
+        for step in range(4):
+            sinks.write(step, {"perf/step_time": float(step)})
+    assert [s for s, _ in good.rows] == [0, 1, 2, 3]
+    assert [s for s, _ in bad.rows] == [0] and bad.closed == 1
+    assert len(caplog.records) == 1 and "BrokenSink sink failed and is dropped" in caplog.records[0].getMessage()
+    assert sinks.dropped == ["BrokenSink: OSError: [Errno 28] No space left on device"]
+    sinks.close()
+    assert good.closed == 1 and not sinks
+
+
+def test_scope_logs_measured_steps_every_n_and_closes_its_sinks(clock):
+    sink = ListSink()
+    scope = Scope(clock=clock, warmup=2, sinks=[sink], log_every=2, system_interval_s=None)
+    for _ in range(8):
+        with scope.phase("forward"):
+            clock.advance(10)
+        clock.advance(2)
+        scope.step(batch_size=4)
+    # Steps 0..7: step 0 has no start (untimed), 1 is warm-up, 2..7 are measured; every 2nd is logged.
+    assert [step for step, _ in sink.rows] == [2, 4, 6]
+    _, metrics = sink.rows[-1]
+    assert metrics["perf/step_time"] == pytest.approx(0.012)
+    assert metrics["perf/train_capacity"] == pytest.approx(4 / 0.012)
+    scope.close()
+    assert sink.closed == 1
+    scope.step()
+    assert [step for step, _ in sink.rows] == [2, 4, 6]  # closed: nothing more is logged
+
+
+def test_a_scope_dropped_without_close_closes_its_sinks(clock):
+    sink = ListSink()
+    scope = Scope(clock=clock, warmup=0, sinks=[sink], system_interval_s=None)
+    del scope
+    gc.collect()
+    assert sink.closed == 1
+
+
+def test_log_every_must_be_positive():
+    with pytest.raises(ValueError, match="log_every"):
+        Scope(log_every=0)
+
+
+@dataclasses.dataclass
+class Debug:
+    enable_perf_metrics: bool = False
+
+
+@dataclasses.dataclass
+class Config:
+    debug: Debug = dataclasses.field(default_factory=Debug)
+
+
+@pytest.mark.parametrize(
+    ("config", "on"),
+    [
+        ({"debug": {"enable_perf_metrics": True}}, True),
+        ({"debug": {"enable_perf_metrics": "true"}}, True),
+        ({"debug": {"enable_perf_metrics": "false"}}, False),
+        ({"debug": {}}, False),
+        ({}, False),
+        (Config(Debug(True)), True),
+        (Config(), False),
+    ],
+)
+def test_from_config_reads_the_switch(config, on, monkeypatch):
+    monkeypatch.delenv("STEPSCOPE", raising=False)
+    scope = Scope.from_config(config, system_interval_s=None)
+    assert (scope is not NULL_SCOPE) is on
+
+
+def test_environment_overrides_the_config(monkeypatch):
+    monkeypatch.setenv("STEPSCOPE", "0")
+    assert Scope.from_config({"debug": {"enable_perf_metrics": True}}) is NULL_SCOPE
+    monkeypatch.setenv("STEPSCOPE", "1")
+    assert Scope.from_config({}, system_interval_s=None) is not NULL_SCOPE
+
+
+def test_run_writes_a_line_per_measured_step(tmp_path):
+    out = tmp_path / "metrics.jsonl"
+    r = stepscope_run(tmp_path, "--metrics-jsonl", str(out), script("basic.py"), warmup=3, steps=12)
+    assert r.returncode == 0, r.describe()
+    rows = lines(out)
+    assert len(rows) == r.summary.steps.measured == 12, rows
+    assert all(row["perf/step_time"] > 0 and "perf/train_capacity" in row for row in rows)
+    assert [row["step"] for row in rows] == sorted({row["step"] for row in rows})
+
+
+def test_run_refuses_a_metrics_path_it_cannot_write(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = stepscope_run(tmp_path, "--metrics-jsonl", str(blocker / "m.jsonl"), script("basic.py"))
+    assert r.returncode == 2, r.describe()
+    assert "--metrics-jsonl" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rank_path_names_each_rank(monkeypatch):
+    from stepscope.instrument.bootstrap import rank_path
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert rank_path("out/m.jsonl") == "out/m.jsonl"
+    assert rank_path("out/m-{rank}.jsonl") == "out/m-0.jsonl"
+    monkeypatch.setenv("RANK", "3")
+    assert rank_path("out/m.jsonl") == os.path.join("out", "m.rank3.jsonl")
+    assert rank_path("out/m-{rank}.jsonl") == "out/m-3.jsonl"
