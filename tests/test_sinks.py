@@ -163,15 +163,32 @@ def test_run_refuses_a_metrics_path_it_cannot_write(tmp_path):
     blocker.write_text("")
     r = stepscope_run(tmp_path, "--metrics-jsonl", str(blocker / "m.jsonl"), script("basic.py"))
     assert r.returncode == 2, r.describe()
-    assert "--metrics-jsonl" in r.stderr and "Traceback" not in r.stderr
+    assert f"--sink jsonl:{blocker / 'm.jsonl'}" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_rank_path_names_each_rank(monkeypatch):
-    from stepscope.instrument.bootstrap import rank_path
+def test_rank_file_names_each_rank():
+    from stepscope.sinks.trackers import rank_file
 
-    monkeypatch.delenv("RANK", raising=False)
-    assert rank_path("out/m.jsonl") == "out/m.jsonl"
-    assert rank_path("out/m-{rank}.jsonl") == "out/m-0.jsonl"
-    monkeypatch.setenv("RANK", "3")
-    assert rank_path("out/m.jsonl") == os.path.join("out", "m.rank3.jsonl")
-    assert rank_path("out/m-{rank}.jsonl") == "out/m-3.jsonl"
+    assert rank_file("out/m.jsonl", None) == "out/m.jsonl"
+    assert rank_file("out/m-{rank}.jsonl", None) == "out/m-0.jsonl"
+    assert rank_file("out/m.jsonl", 3) == os.path.join("out", "m.rank3.jsonl")
+    assert rank_file("out/m-{rank}.jsonl", 3) == "out/m-3.jsonl"
+
+
+@pytest.mark.parametrize(("override", "lines_expected"), [([], None), (["debug.enable_perf_metrics=true"], 55)])
+def test_example_config_switch(tmp_path, override, lines_expected):
+    import subprocess
+    import sys
+
+    from run_helpers import REPO, run_env
+
+    config = tmp_path / "config.yaml"
+    config.write_text((REPO / "examples" / "config.yaml").read_text())
+    cmd = [sys.executable, str(REPO / "examples" / "config_train.py"), "--config", str(config), *override]
+    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    metrics = tmp_path / "out" / "config-train-metrics.jsonl"
+    if lines_expected is None:
+        assert "perf metrics: off" in done.stdout and not metrics.exists()
+    else:
+        assert len(lines(metrics)) == lines_expected  # 60 steps, 5 of warm-up

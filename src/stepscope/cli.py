@@ -41,6 +41,7 @@ _VALUED = {
     "--against",
     "--ceiling-batches",
     "--metrics-jsonl",
+    "--sink",
 }
 _SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
@@ -78,13 +79,16 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
     """The RunConfig of a measuring verb (run, doctor) from its shared options (see ``_measure_options``)."""
     from stepscope.instrument.tracker import RunConfig
     from stepscope.sinks import JsonlSink
+    from stepscope.sinks.trackers import parse_spec, rank_file
 
-    if args.metrics_jsonl:
+    specs = list(args.sink or []) + ([f"jsonl:{args.metrics_jsonl}"] if args.metrics_jsonl else [])
+    for spec in specs:  # checked before the script starts: a typo must not cost a training run
         try:
-            JsonlSink(args.metrics_jsonl.replace("{rank}", "0"))  # checks the folder before the script starts
-        except OSError as error:
-            raise UsageError(f"--metrics-jsonl {args.metrics_jsonl}: {error}") from None
-
+            kind, target = parse_spec(spec)
+            if kind == "jsonl":
+                JsonlSink(rank_file(target, 0))
+        except (ValueError, ImportError, OSError) as error:
+            raise UsageError(f"--sink {spec}: {error}") from None
     return RunConfig(
         out_dir="",
         warmup=args.warmup,
@@ -92,7 +96,7 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
         batch_size=args.batch_size,
         checkpoint_s=args.checkpoint_s,
         system_interval_s=_interval(args.sample_hz),
-        metrics_jsonl=args.metrics_jsonl,
+        sinks=specs,
         **extra,
     )
 
@@ -267,6 +271,13 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
         type=float,
         default=30.0,
         help="each process writes its figures so far this often (s), so a killed process still leaves them",
+    )
+    verb.add_argument(
+        "--sink",
+        action="append",
+        metavar="KIND:TARGET",
+        help="send each measured step's metrics to tensorboard:DIR, mlflow:URI, wandb:PROJECT or jsonl:PATH "
+        "(repeatable; under a launcher TensorBoard and JSONL write per rank, MLflow and W&B from rank 0)",
     )
     verb.add_argument(
         "--metrics-jsonl",

@@ -28,8 +28,8 @@ ENV_CONFIG = "STEPSCOPE_RUN"
 _state: dict[str, Any] = {}
 
 
-def _warn(what: str, error: BaseException) -> None:
-    print(f"stepscope: {what} ({type(error).__name__}: {error}); the script runs on unmeasured.", file=sys.stderr)
+def _warn(what: str, error: BaseException, then: str = "the script runs on unmeasured") -> None:
+    print(f"stepscope: {what} ({type(error).__name__}: {error}); {then}.", file=sys.stderr)
 
 
 def activate() -> None:
@@ -80,10 +80,10 @@ def _start(config: Any) -> None:
         from stepscope.instrument.hooks import install
         from stepscope.instrument.tracker import Tracker
         from stepscope.scope import enabled_scope
-        from stepscope.sinks import JsonlSink
 
-        sinks = [JsonlSink(rank_path(config.metrics_jsonl))] if config.metrics_jsonl else []
-        scope = enabled_scope(warmup=config.warmup, system_interval_s=config.system_interval_s, sinks=sinks)
+        scope = enabled_scope(
+            warmup=config.warmup, system_interval_s=config.system_interval_s, sinks=_sinks(config.sinks)
+        )
         tracker = Tracker(scope, config)
         install(tracker)
     except Exception as error:
@@ -119,16 +119,22 @@ def _chain_excepthook(tracker: Any) -> None:
     sys.excepthook = excepthook
 
 
-def rank_path(path: str) -> str:
-    """``path`` for this process: "{rank}" in it is replaced by the rank; a launched rank without the placeholder
-    gets ".rankN" before the suffix, so that ranks never write into one file."""
+def _sinks(specs: list[str]) -> list[Any]:
+    """The sinks of ``--sink`` / ``--metrics-jsonl`` for this process; one that cannot start is reported and left
+    out, and the run goes on."""
+    from stepscope.sinks.trackers import sink_from_spec
+
     rank = os.environ.get("RANK")
-    if "{rank}" in path:
-        return path.replace("{rank}", rank or "0")
-    if rank is None:
-        return path
-    target = Path(path)
-    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
+    sinks = []
+    for spec in specs:
+        try:
+            sink = sink_from_spec(spec, int(rank) if rank and rank.isdigit() else None)
+        except Exception as error:
+            _warn(f"the sink {spec!r} could not start", error, "measuring goes on without it")
+            continue
+        if sink is not None:
+            sinks.append(sink)
+    return sinks
 
 
 def _rank_meta() -> tuple[int | None, int | None, int | None]:

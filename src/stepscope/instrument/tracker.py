@@ -67,7 +67,7 @@ class RunConfig:
     include_zero_grad: bool = False
     audit_continue: bool = False  # `stepscope doctor`: after the audit's backward passes, go on training unwatched
     system_interval_s: float | None = 1.0  # host/GPU sampling period over the measured steps; None: no sampling
-    metrics_jsonl: str | None = None  # per-step metrics to this JSONL file ("{rank}" or a .rankN suffix per rank)
+    sinks: list[str] = field(default_factory=list)  # per-step metrics: "jsonl:PATH", "tensorboard:DIR", ...
     # `stepscope dataloader`: {batches, warmup, device, sweep, budget_s, sweep_batches, sweep_warmup, loader}; the
     # first iteration of a DataLoader (or of the chosen one) is measured alone and the script stopped
     loader_job: dict[str, Any] | None = None
