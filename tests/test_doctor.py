@@ -158,6 +158,10 @@ def test_script_path_finds_a_module_file_without_importing_it(tmp_path, monkeypa
     assert script_path(["-m", "proj.train.main", "--lr", "1"]) == tmp_path / "proj" / "train" / "main.py"
     assert script_path(["-m", "proj.train"]) == tmp_path / "proj" / "train" / "__main__.py"
     assert script_path(["-m", "not.there"]) is None
+    (tmp_path / "train.py").write_text("")
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"]
+    assert script_path(launcher) == Path("train.py")  # the launcher module is installed: the script is the file
+    (tmp_path / "train.py").unlink()
     assert script_path(["--nproc-per-node", "2", "train.py"]) is None  # named but missing
     (tmp_path / "train.py").write_text("")
     assert script_path(["--nproc-per-node", "2", "train.py"]) == Path("train.py")

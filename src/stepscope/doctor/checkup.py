@@ -27,7 +27,7 @@ def script_path(argv: list[str]) -> Path | None:
             for candidate in (base.with_suffix(".py"), base / "__main__.py"):
                 if candidate.is_file():
                     return candidate
-            return None
+            continue  # an installed module (python -m torch.distributed.run train.py): look on for the script
         if word.endswith(".py") and Path(word).is_file():
             return Path(word)
     return None
