@@ -206,6 +206,8 @@ class Scope:
         sinks: where ``metrics()`` goes every ``log_every`` measured steps (``stepscope.sinks``: JsonlSink, ...);
             a sink that fails warns once and is dropped. ``close()`` (or interpreter exit) closes them.
         log_every: write to the sinks every this many measured steps, >= 1.
+        flops_per_step: model FLOPs of one step (``stepscope.analyses.flops.count_flops``): adds ``perf/tflops``
+            and, with ``peak_tflops`` (the GPU's dense peak for the training dtype), ``perf/mfu``.
         system_interval_s: seconds between samples of host CPU/memory and GPU utilisation, clocks, power and energy
             (NVML), from the first measured step until ``close()``; 0.05 (20 Hz) at the fastest; None samples
             nothing. At 1 s the sampler thread costs ~0.1% of one core (docs/benchmarks.md).
@@ -228,6 +230,8 @@ class Scope:
         exact_limit: int = 10_000,
         sinks: Iterable[Sink] | None = None,
         log_every: int = 1,
+        flops_per_step: int | None = None,
+        peak_tflops: float | None = None,
         system_interval_s: float | None = 1.0,
         clock: Clock = now_ns,
         events: EventSource | None = None,
@@ -236,6 +240,8 @@ class Scope:
             raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
+        self.flops_per_step = flops_per_step
+        self.peak_tflops = peak_tflops
         self._sinks = SinkSet(sinks) if sinks else NO_SINKS
         self._log_every = log_every
         # A null object on the step path when nothing is logged: no test per step.
@@ -321,6 +327,10 @@ class Scope:
         sampled_s = sum(r.step_ns for r in sampled) / 1e9
         if sampled and sampled_s > 0:
             out["perf/train_capacity"] = sum(r.samples or 0 for r in sampled) / sampled_s
+        if self.flops_per_step and step_s > 0:
+            out["perf/tflops"] = self.flops_per_step / step_s / 1e12
+            if self.peak_tflops:
+                out["perf/mfu"] = out["perf/tflops"] / self.peak_tflops
         out.update(self._collectors.snapshot())
         return out
 
@@ -351,6 +361,12 @@ class Scope:
             self._fail(error)
         summary = summarize(self._recorder, self._timing_used)
         summary.meta = self._meta()
+        throughput = summary.throughput
+        if self.flops_per_step and throughput.step_time_ms:
+            throughput.flops_per_step = self.flops_per_step
+            throughput.tflops = self.flops_per_step / (throughput.step_time_ms / 1e3) / 1e12
+            if self.peak_tflops:
+                throughput.mfu = throughput.tflops / self.peak_tflops
         recorder = self._recorder
         try:
             summary.system = self._collectors.peek(steps=recorder.measured, samples=recorder.samples or None)

@@ -56,6 +56,10 @@ class Throughput:
     steps_per_s: float | None = None
     samples_per_s: float | None = None
     step_time_ms: float | None = None
+    flops_per_step: int | None = None  # model FLOPs of one forward+backward (FlopCounterMode), when counted
+    tflops: float | None = None  # achieved: flops_per_step / mean step time
+    mfu: float | None = None  # tflops / the GPU's dense peak for the training dtype, 0..1
+    mfu_peak: str | None = None  # the peak used, e.g. "NVIDIA H100 80GB HBM3 bfloat16 dense 989.4 TFLOP/s"
 
 
 @dataclass

@@ -152,6 +152,9 @@ class Tracker:
         self.zero_grad_set_to_none: bool | None = None
         self.facts_failure: str | None = None
         self.audited: list[Any] | None = None  # the parameter audits, once complete
+        # model FLOPs: counted during the second warm-up step (the first one compiles and allocates)
+        self._flop_counter: Any = None
+        self._flops_state = "waiting" if config.warmup >= 2 else "off"
         # `stepscope dataloader`
         self.constructed: list[weakref.ref[Any]] = []  # DataLoaders built so far, in order
         self.loader_result: dict[str, Any] | None = None
@@ -360,6 +363,8 @@ class Tracker:
         self._seen_closed = dict(self.seen)
         samples = self._step_samples or self.config.batch_size
         scope.step(batch_size=samples or None)
+        if self._flops_state != "off":
+            self._count_flops()
         if warming_up and scope._recorder.measuring:
             self._begin_measuring()
         self._step_samples = 0
@@ -423,6 +428,27 @@ class Tracker:
         self.loader_result["built"] = len(built)
         self.stopped = True
         raise StopRun()
+
+    # -- model FLOPs ---------------------------------------------------------------------------------------------
+
+    def _count_flops(self) -> None:
+        """Count one warm-up step's FLOPs: start when the first step has closed, stop when the next one does."""
+        try:
+            if self._flops_state == "waiting" and self.scope._recorder.steps_seen == 1:
+                if any(m.get("compiled") for m in self._models.values()):
+                    self._flops_state = "off"  # a dispatch mode inside a compiled region would force a retrace
+                    return
+                from stepscope.analyses.flops import StepFlopCounter
+
+                self._flop_counter = StepFlopCounter()
+                self._flop_counter.start()
+                self._flops_state = "counting"
+            elif self._flops_state == "counting":
+                self._flops_state = "done"
+                self.scope.flops_per_step = self._flop_counter.stop() or None
+        except Exception as error:  # FLOPs are extras: measuring goes on without them
+            self._flops_state = "off"
+            self.facts_failure = f"FLOP counting: {type(error).__name__}: {error}"
 
     # -- runtime facts -----------------------------------------------------------------------------------------
 
@@ -555,6 +581,15 @@ class Tracker:
             summary.facts = self.runtime_facts()
         except Exception as error:  # a fact that cannot be read must not cost the figures
             self.facts_failure = f"{type(error).__name__}: {error}"
+        throughput = summary.throughput
+        if throughput.flops_per_step and throughput.step_time_ms:
+            from stepscope.analyses.flops import mfu_figures, training_dtype
+
+            device = summary.facts.get("device", {}).get("name")
+            figures = mfu_figures(
+                throughput.flops_per_step, throughput.step_time_ms / 1e3, device, training_dtype(summary.facts)
+            )
+            throughput.tflops, throughput.mfu, throughput.mfu_peak = figures["tflops"], figures["mfu"], figures["peak"]
         if self.facts_failure:
             summary.notes.append(f"some runtime settings could not be read ({self.facts_failure})")
         if self.failure:

@@ -77,6 +77,10 @@ def throughput_line(summary: RunSummary) -> str:
         parts.append(f"{t.steps_per_s:.2f} steps/s")
     if t.samples_per_s is not None:
         parts.append(f"{t.samples_per_s:.1f} samples/s")
+    if t.tflops is not None:
+        achieved = f"{t.tflops:.1f} TFLOP/s" if t.tflops >= 1 else f"{t.tflops * 1e3:.3g} GFLOP/s"
+        mfu = f" = MFU {100 * t.mfu:.1f}% of {t.mfu_peak}" if t.mfu is not None else ""
+        parts.append(f"{achieved} model{mfu}")
     rate = ", ".join(parts) or "no rate"
     return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup})"
 
