@@ -6,23 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import run_env, script
+from run_helpers import RunResult, run_env, script
 
 from stepscope.summary import RunSummary, Throughput
 
 
-@dataclass
-class LoaderRun:
-    cmd: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    json_path: Path
+class LoaderRun(RunResult):
+    """A `stepscope dataloader` run: its JSON (not a RunSummary) and its report."""
 
     @property
     def data(self) -> dict:
@@ -33,12 +27,6 @@ class LoaderRun:
     def text(self) -> str:
         """stdout with the terminal report's line wrapping undone (runs of whitespace as one space)."""
         return " ".join(self.stdout.split())
-
-    def describe(self) -> str:
-        return (
-            f"command: {' '.join(self.cmd)}\nexit code: {self.returncode}\n"
-            f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
-        )
 
 
 def stepscope_dataloader(
