@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,8 @@ def wandb_records(path: Path):
             continue
         length = int.from_bytes(data[position + 4 : position + 6], "little")
         kind = data[position + 6]
+        if position + 7 + length > len(data):
+            break  # a record still being written
         payload = data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 2):  # full, first
@@ -98,16 +101,22 @@ def test_wandb_offline_history_is_tied_to_the_training_step(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_SILENT", "true")
     write_steps(WandbSink(project="stepscope-test"))
     (run_file,) = tmp_path.glob("wandb/offline-run-*/*.wandb")
-    rows, metrics = [], {}
-    for record in wandb_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            rows.append(
-                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            )
-        elif kind == "metric":
-            metrics[record.metric.name or record.metric.glob_name] = record.metric.step_metric
-    assert [(row["train/step"], row["perf/step_time"]) for row in rows] == list(STEPS.items())
+    deadline = time.monotonic() + 20
+    while True:  # wandb's service process may still be writing the log after finish() returns, on a busy machine
+        rows, metrics = [], {}
+        for record in wandb_records(run_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
+            elif kind == "metric":
+                metrics[record.metric.name or record.metric.glob_name] = record.metric.step_metric
+        if len(rows) >= len(STEPS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    kinds = [r.WhichOneof("record_type") for r in wandb_records(run_file)]
+    assert [(row["train/step"], row["perf/step_time"]) for row in rows] == list(STEPS.items()), kinds
     assert metrics == {"train/step": "", "perf/*": "train/step", "sys/*": "train/step"}
 
 
