@@ -151,6 +151,28 @@ def threads() -> dict[str, Any]:
     }
 
 
+def cores_of(found: dict[str, Any]) -> float | None:
+    """CPU cores a process of the run may use, from its facts: the cgroup quota when set, else its affinity."""
+    threads = found.get("threads", {})
+    return threads.get("cpu_quota") or threads.get("cores")
+
+
+def ranks_per_machine(found: dict[str, Any]) -> int:
+    """Ranks sharing one machine's cores (torchrun's LOCAL_WORLD_SIZE; 1 when not launched by it)."""
+    return int(found.get("threads", {}).get("local_ranks") or 1)
+
+
+def oversubscribed_threads(found: dict[str, Any]) -> tuple[int, float] | None:
+    """(torch threads across this machine's ranks, usable cores) when the threads exceed the cores; None when they
+    fit or the facts are missing."""
+    cores = cores_of(found)
+    threads = found.get("threads", {}).get("torch_threads")
+    if not cores or threads is None:
+        return None
+    used = threads * ranks_per_machine(found)
+    return (used, cores) if used > max(cores, 1) + 0.5 else None
+
+
 def dynamo_counters() -> dict[str, Any] | None:
     """torch.compile's counters so far (graphs compiled, graph breaks by reason, recompile-limit hits); None
     when torch.compile was never used."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepscope.analyses.loader import WAITING_WORKERS_CPU
+from stepscope.doctor.facts import cores_of, oversubscribed_threads, ranks_per_machine
 from stepscope.doctor.lint import LintHit
 from stepscope.doctor.verdict import group_shares
 from stepscope.record import TOTAL
@@ -104,12 +105,11 @@ class Case:
 
     def cores(self) -> float | None:
         """CPU cores this process may use: the cgroup quota when set, else its affinity; None when unknown."""
-        threads = self.facts.get("threads", {})
-        return threads.get("cpu_quota") or threads.get("cores")
+        return cores_of(self.facts)
 
     def local_ranks(self) -> int:
         """Ranks sharing this machine's cores (torchrun's LOCAL_WORLD_SIZE; 1 when not launched by it)."""
-        return int(self.facts.get("threads", {}).get("local_ranks") or 1)
+        return ranks_per_machine(self.facts)
 
     def signals(self) -> dict[str, str]:
         return {s["id"]: s.get("evidence", "") for s in self.summary.system.get("signals", [])}
@@ -740,14 +740,11 @@ def _launch_bound(case: Case) -> Finding | None:
 )
 def _threads(case: Case) -> Finding | None:
     threads = case.facts.get("threads")
-    if not threads:
+    if not threads or oversubscribed_threads(case.facts) is None:
         return None
     quota = threads.get("cpu_quota")
-    limit = case.cores()
+    limit = case.cores() or 1
     local = case.local_ranks()
-    used = threads["torch_threads"] * local
-    if not limit or used <= max(limit, 1) + 0.5:
-        return None
     what = f"cgroup quota of {quota:g} cores" if quota else f"{limit} usable cores"
     evidence = [f"{threads['torch_threads']} torch threads × {local} rank(s) for a {what}"]
     env = threads.get("env", {})

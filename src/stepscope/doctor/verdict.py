@@ -16,6 +16,7 @@ The shares are then checked against what else was measured (``refine``): allocat
 
 from __future__ import annotations
 
+from stepscope.doctor.facts import oversubscribed_threads
 from stepscope.record import TOTAL
 from stepscope.summary import PhaseStats, RunSummary, Verdict
 
@@ -148,10 +149,9 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
             return Verdict("data", "medium", extra + verdict.evidence)
     if "throttled" in signals:
         extra.append(signals["throttled"])
-    threads = summary.facts.get("threads", {})
-    cores = threads.get("cpu_quota") or threads.get("cores")
-    used = threads.get("torch_threads", 0) * (threads.get("local_ranks") or 1)
-    if cores and used > cores + 0.5 and verdict.bound in ("compute", "optimizer", "host"):
+    crowded = oversubscribed_threads(summary.facts)
+    if crowded is not None and verdict.bound in ("compute", "optimizer", "host"):
+        used, cores = crowded
         extra.append(f"{used} torch threads across this machine's ranks compete for {cores:g} usable cores")
     straggler = summary.cluster.straggler if summary.cluster else None
     if straggler is not None:
