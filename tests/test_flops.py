@@ -7,7 +7,7 @@ import torch
 from run_helpers import script, stepscope_run
 
 from stepscope import Scope
-from stepscope.analyses.flops import count_flops, mfu_figures, peak_tflops, training_dtype
+from stepscope.analyses.flops import count_flops, gpu_peak, peak_tflops, training_dtype
 
 M, K, N = 16, 64, 32  # batch, in features, out features
 
@@ -45,13 +45,21 @@ def test_training_dtype_prefers_autocast_then_parameters_and_tf32():
     assert training_dtype({}) is None
 
 
-def test_mfu_figures():
-    figures = mfu_figures(int(494.7e12 * 0.1), 0.2, "NVIDIA H100 80GB HBM3", "bfloat16")
-    assert figures["tflops"] == pytest.approx(494.7 * 0.1 / 0.2)
-    assert figures["mfu"] == pytest.approx(0.25)
-    assert figures["peak"] == "NVIDIA H100 80GB HBM3 bfloat16 dense 989.4 TFLOP/s"
-    cpu = mfu_figures(10**9, 0.5, None, "float32")
-    assert cpu["tflops"] == pytest.approx(0.002) and cpu["mfu"] is None and cpu["peak"] is None
+def test_gpu_peak_and_the_figures_against_it(clock):
+    peak, label = gpu_peak("NVIDIA H100 80GB HBM3", "bfloat16")
+    assert label == "NVIDIA H100 80GB HBM3 bfloat16 dense 989.4 TFLOP/s"
+    assert gpu_peak(None, "float32") is None and gpu_peak("NVIDIA H100 80GB HBM3", None) is None
+    for peak_used, tflops, mfu in ((peak, 494.7 * 0.1 / 0.2, 0.25), (None, 494.7 * 0.1 / 0.2, None)):
+        scope = Scope(
+            clock=clock, warmup=0, flops_per_step=int(494.7e12 * 0.1), peak_tflops=peak_used, system_interval_s=None
+        )
+        for _ in range(2):
+            with scope.phase("forward"):
+                clock.advance(200)
+            scope.step()
+        throughput = scope.summary().throughput
+        assert throughput.tflops == pytest.approx(tflops)
+        assert throughput.mfu == (None if mfu is None else pytest.approx(mfu))
 
 
 def test_scope_reports_tflops_and_mfu(clock):

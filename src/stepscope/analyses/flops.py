@@ -78,15 +78,8 @@ def training_dtype(facts: dict[str, Any]) -> str | None:
     return dtype
 
 
-def mfu_figures(flops_per_step: int, step_time_s: float, device_name: str | None, dtype: str | None) -> dict[str, Any]:
-    """``{"flops_per_step", "tflops", "mfu", "peak_tflops", "peak"}`` for one step time (s); mfu and the peak are
-    None without a known GPU peak."""
-    tflops = flops_per_step / step_time_s / 1e12 if step_time_s > 0 else None
+def gpu_peak(device_name: str | None, dtype: str | None) -> tuple[float, str] | None:
+    """The dense peak TFLOP/s that MFU is measured against, and the peak in words ("NVIDIA H100 80GB HBM3 bfloat16
+    dense 989.4 TFLOP/s"); None without a known GPU and dtype (a CPU run reports achieved FLOP/s only)."""
     peak = peak_tflops(device_name, dtype) if device_name and dtype else None
-    return {
-        "flops_per_step": flops_per_step,
-        "tflops": tflops,
-        "mfu": tflops / peak if tflops is not None and peak else None,
-        "peak_tflops": peak,
-        "peak": f"{device_name} {dtype} dense {peak:g} TFLOP/s" if peak else None,
-    }
+    return None if peak is None else (peak, f"{device_name} {dtype} dense {peak:g} TFLOP/s")

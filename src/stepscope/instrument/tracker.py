@@ -155,6 +155,7 @@ class Tracker:
         # model FLOPs: counted during the second warm-up step (the first one compiles and allocates)
         self._flop_counter: Any = None
         self._flops_state = "waiting" if config.warmup >= 2 else "off"
+        self.peak_label: str | None = None  # the peak MFU is measured against, in words
         # `stepscope dataloader`
         self.constructed: list[weakref.ref[Any]] = []  # DataLoaders built so far, in order
         self.loader_result: dict[str, Any] | None = None
@@ -446,9 +447,20 @@ class Tracker:
             elif self._flops_state == "counting":
                 self._flops_state = "done"
                 self.scope.flops_per_step = self._flop_counter.stop() or None
+                self._set_peak()
         except Exception as error:  # FLOPs are extras: measuring goes on without them
             self._flops_state = "off"
             self.facts_failure = f"FLOP counting: {type(error).__name__}: {error}"
+
+    def _set_peak(self) -> None:
+        """Give the Scope the GPU's peak for the training dtype, so that perf/mfu is in its metrics from now on."""
+        from stepscope.analyses.flops import gpu_peak, training_dtype
+
+        device = facts.device()
+        seen = {**self._probed, "models": [m for m in self._models.values() if m]}
+        peak = gpu_peak(device and device["name"], training_dtype(seen))
+        if peak is not None:
+            self.scope.peak_tflops, self.peak_label = peak
 
     # -- runtime facts -----------------------------------------------------------------------------------------
 
@@ -581,15 +593,8 @@ class Tracker:
             summary.facts = self.runtime_facts()
         except Exception as error:  # a fact that cannot be read must not cost the figures
             self.facts_failure = f"{type(error).__name__}: {error}"
-        throughput = summary.throughput
-        if throughput.flops_per_step and throughput.step_time_ms:
-            from stepscope.analyses.flops import mfu_figures, training_dtype
-
-            device = summary.facts.get("device", {}).get("name")
-            figures = mfu_figures(
-                throughput.flops_per_step, throughput.step_time_ms / 1e3, device, training_dtype(summary.facts)
-            )
-            throughput.tflops, throughput.mfu, throughput.mfu_peak = figures["tflops"], figures["mfu"], figures["peak"]
+        if summary.throughput.mfu is not None:
+            summary.throughput.mfu_peak = self.peak_label
         if self.facts_failure:
             summary.notes.append(f"some runtime settings could not be read ({self.facts_failure})")
         if self.failure:
