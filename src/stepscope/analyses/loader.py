@@ -477,15 +477,23 @@ def compare_with_training(ceiling_samples_per_s: float, train_samples_per_s: flo
     }
 
 
+def dataset_length(loader: Any) -> int | None:
+    """Samples in a loader's dataset; None when unknown (an IterableDataset) or the loader is gone."""
+    try:
+        return len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+
+
 def run_loader_job(loader: Any, job: dict[str, Any], position: int) -> dict[str, Any]:
     """What `stepscope dataloader` does with the captured loader in each rank: measure it alone (and sweep when
     asked); the JSON-ready result, with ``error`` instead of figures when it could not be measured."""
     dataset = getattr(loader, "dataset", None)
-    try:
-        length: int | None = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        length = None
-    found: dict[str, Any] = {"index": position, "dataset": type(dataset).__name__, "dataset_length": length}
+    found: dict[str, Any] = {
+        "index": position,
+        "dataset": type(dataset).__name__,
+        "dataset_length": dataset_length(loader),
+    }
     try:
         result = measure_loader(
             loader,

@@ -410,21 +410,21 @@ class Tracker:
         Loaders are numbered in the order the script builds them. Without ``loader`` in the job, the first
         iteration measures the largest loader built so far (a train loader built next to a validation one); with
         it, the script runs on until that loader exists."""
+        from stepscope.analyses.loader import dataset_length, run_loader_job
+
         job = self.config.loader_job or {}
         built = [ref() for ref in self.constructed]
         if not any(c is loader for c in built):
             built.append(loader)  # built before the hooks went in
         wanted = job.get("loader")
         if wanted is None:
-            index = max(range(len(built)), key=lambda i: _dataset_size(built[i]))
+            index = max(range(len(built)), key=lambda i: _or_unknown(dataset_length(built[i])))
         elif wanted < len(built) and built[wanted] is not None:
             index = wanted
         else:
             return  # the loader asked for is not built yet: the script goes on
         target = built[index]
         self.stop_tracking()  # the measurement iterates the loader itself: every hook passes through
-        from stepscope.analyses.loader import run_loader_job
-
         self.loader_result = run_loader_job(target, job, index)
         self.loader_result["built"] = len(built)
         self.stopped = True
@@ -627,12 +627,8 @@ class Tracker:
         state.epoch_open = False
 
 
-def _dataset_size(loader: Any) -> int:
-    """Samples in a loader's dataset; -1 when unknown (an IterableDataset) or the loader is gone."""
-    try:
-        return len(loader.dataset)
-    except (TypeError, AttributeError):
-        return -1
+def _or_unknown(length: int | None) -> int:
+    return -1 if length is None else length
 
 
 def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
