@@ -904,7 +904,7 @@ def shard_grad_op_already() -> Case:
     return Case(with_facts(healthy(world_size=4), models=[fsdp_model("SHARD_GRAD_OP", param_mb=1024.0)]))
 
 
-@positive("optimizer.fused", 0.08, "AdamW over 10 parameter tensors on cuda, default implementation")
+@positive("optimizer.fused", 0.08, "AdamW over 10 parameter tensors on cuda, default (foreach) implementation")
 def adamw_default() -> Case:
     return Case(with_facts(healthy(), optimizers=[optimizer_fact(fused=None)]))
 

@@ -840,8 +840,8 @@ def _full_shard_fits(case: Case) -> Finding | None:
 @rule(
     "optimizer.fused",
     "Use the fused optimizer kernel",
-    "The default optimizer step on CPU tensors loops over parameters in Python, launching several small ops for "
-    "each; the fused kernel updates all of them in one pass.",
+    "The default optimizer step runs the update as a chain of separate ops: on CPU tensors a Python loop over "
+    "parameters, on GPUs several multi-tensor (foreach) launches; the fused kernel updates all of them in one pass.",
     "torch.optim.AdamW(params, ..., fused=True)",
     "config",
 )
@@ -852,7 +852,7 @@ def _fused(case: Case) -> Finding | None:
         return None
     opt = candidates[0]
     how = f"torch.optim.{opt['type']}(params, ..., fused=True)"
-    mode = "foreach" if opt["foreach"] else "per-parameter loop" if opt["device"] == "cpu" else "default"
+    mode = "foreach" if opt["foreach"] else "per-parameter loop" if opt["device"] == "cpu" else "default (foreach)"
     evidence = [
         f"{opt['type']} over {opt['params']} parameter tensors on {opt['device']}, {mode} implementation",
         f"optimizer.step is {pct(share)} of the step ({case.ms('optimizer') or 0:.2f} ms)",
