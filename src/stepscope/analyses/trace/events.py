@@ -1,0 +1,231 @@
+"""The events of one trace that the analyses need, as compact numpy columns (about 40 bytes an event).
+
+Reading keeps GPU activity (kernels, memory copies and sets), the runtime calls that launched it (linked by
+``correlation``), CPU ops and user annotations (``ProfilerStep#N``, DataLoader spans, stepscope's phase ranges),
+and drops the rest (Python stack events, flow arrows, counters, metadata), so memory follows the GPU activity, not
+the trace's size.
+"""
+
+from __future__ import annotations
+
+import array
+import gc
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stepscope.analyses.trace.stream import TraceFile, iter_events
+
+# Device events are the ones Kineto gives a stream: kernels, memory copies and sets, and waits on the GPU.
+DEVICE_KINDS = {"kernel": 0, "gpu_memcpy": 1, "memcpy": 1, "gpu_memset": 2, "memset": 2, "cuda_sync": 3}
+DEVICE_KINDS["mtia_ccp_events"] = 4  # MTIA's device activity
+OTHER_DEVICE_KIND = 5
+SYNC_NAMES = {"Event Sync", "Context Sync"}  # device-level syncs, written on stream -1
+CPU_KINDS = {"cpu_op": 0, "user_annotation": 1, "operator": 0}
+_FILE_RANK = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+@dataclass
+class Columns:
+    """Growable typed columns for one event kind; `freeze` turns them into numpy arrays."""
+
+    names: tuple[str, ...]
+    codes: str
+    data: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data = {name: array.array(code) for name, code in zip(self.names, self.codes, strict=True)}
+
+    def __len__(self) -> int:
+        return len(self.data[self.names[0]])
+
+    def freeze(self) -> dict[str, np.ndarray]:
+        return {
+            name: np.frombuffer(column, dtype=column.typecode) if len(column) else np.zeros(0, column.typecode)
+            for name, column in self.data.items()
+        }
+
+
+@dataclass
+class TraceEvents:
+    """One rank's events as columns. Times are whole µs since the trace's first kept event (float64).
+
+    Timestamps are rounded as HTA rounds them (start up, end down) whenever the trace has sub-µs timestamps: Kineto's
+    ns-resolution traces otherwise show back-to-back kernels overlapping by a fraction of a µs.
+    """
+
+    path: Path
+    rank: int
+    rank_source: str  # "distributedInfo", "file name" or "default"
+    meta: dict[str, Any]
+    names: list[str]  # interned event names; columns hold indices into it
+    device: dict[str, np.ndarray]  # ts, end, stream, name, kind (DEVICE_KINDS), correlation
+    runtime: dict[str, np.ndarray]  # host events with a correlation (the launches): ts, end, tid, name, correlation
+    cpu: dict[str, np.ndarray]  # CPU ops and user annotations: ts, end, tid, name, kind (CPU_KINDS)
+    gpu_annotations: dict[str, np.ndarray]  # ts, end, stream, name
+    events: int  # every event in the file, kept or not
+    bytes_read: int
+    origin_us: float  # the absolute timestamp subtracted from every ts
+    device_type: str  # "cuda", "rocm", "mtia", "cpu"
+    rounded: bool  # sub-µs timestamps were rounded
+
+    def name_ids(self, pattern: re.Pattern[str]) -> np.ndarray:
+        """Indices of the interned names that match ``pattern`` (for vectorised selection by name)."""
+        return np.asarray([i for i, name in enumerate(self.names) if pattern.search(name)], dtype=np.int32)
+
+
+def _int(value: Any, default: int = -1) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.device = Columns(("ts", "dur", "stream", "name", "kind", "correlation"), "ddqiiq")
+        self.runtime = Columns(("ts", "dur", "tid", "name", "correlation"), "ddqiq")
+        self.cpu = Columns(("ts", "dur", "tid", "name", "kind"), "ddqii")
+        self.gpu_annotations = Columns(("ts", "dur", "stream", "name"), "ddqi")
+        self.categories: set[str] = set()
+        self.fractional = False  # any timestamp not a whole µs (or missing): HTA then rounds them all
+
+    def name(self, text: str) -> int:
+        found = self.index.get(text)
+        if found is None:
+            found = self.index[text] = len(self.names)
+            self.names.append(text)
+        return found
+
+    def add(self, batch: list[dict[str, Any]]) -> None:
+        device, runtime, cpu = self.device.data, self.runtime.data, self.cpu.data
+        annotations = self.gpu_annotations.data
+        for event in batch:
+            ts = event.get("ts")
+            if type(ts) is not int:
+                self.fractional = True
+            if event.get("ph") != "X":
+                continue
+            cat = event.get("cat")
+            dur = event.get("dur")
+            if not isinstance(cat, str) or dur is None or cat == "Trace" or ts is None:
+                continue
+            args = event.get("args")
+            args = args if isinstance(args, dict) else {}
+            name = str(event.get("name", ""))
+            stream = _int(args.get("stream"))
+            correlation = _int(args.get("correlation"))
+            lowered = cat.lower()
+            try:
+                ts, dur = float(ts), float(dur)
+            except (TypeError, ValueError):
+                continue
+            if lowered == "gpu_user_annotation":
+                annotations["ts"].append(ts)
+                annotations["dur"].append(dur)
+                annotations["stream"].append(_int(event.get("tid")))
+                annotations["name"].append(self.name(name))
+            elif stream != -1 or name in SYNC_NAMES:
+                self.categories.add(lowered)
+                device["ts"].append(ts)
+                device["dur"].append(dur)
+                device["stream"].append(stream)
+                device["name"].append(self.name(name))
+                device["kind"].append(DEVICE_KINDS.get(lowered, OTHER_DEVICE_KIND))
+                device["correlation"].append(correlation)
+            elif correlation != -1:
+                self.categories.add(lowered)
+                runtime["ts"].append(ts)
+                runtime["dur"].append(dur)
+                runtime["tid"].append(_int(event.get("tid")))
+                runtime["name"].append(self.name(name))
+                runtime["correlation"].append(correlation)
+            elif lowered in CPU_KINDS:
+                cpu["ts"].append(ts)
+                cpu["dur"].append(dur)
+                cpu["tid"].append(_int(event.get("tid")))
+                cpu["name"].append(self.name(name))
+                cpu["kind"].append(CPU_KINDS[lowered])
+
+
+def rank_of(path: Path, meta: dict[str, Any]) -> tuple[int, str]:
+    """The trace's rank: ``distributedInfo.rank``, else a ``rank<N>`` in the file name, else 0 (as HTA does)."""
+    info = meta.get("distributedInfo")
+    if isinstance(info, dict) and (rank := _int(info.get("rank"), -1)) >= 0:
+        return rank, "distributedInfo"
+    if match := _FILE_RANK.search(path.name):
+        return int(match.group(1)), "file name"
+    return 0, "default"
+
+
+def _device_type(meta: dict[str, Any], categories: set[str]) -> str:
+    names = " ".join(str(d.get("name", "")) for d in meta.get("deviceProperties") or [] if isinstance(d, dict))
+    if any(c.startswith("mtia") for c in categories) or "ARTEMIS" in names or "MTIA" in names:
+        return "mtia"
+    if "AMD" in names or "Radeon" in names or "Instinct" in names:
+        return "rocm"
+    return "cuda" if categories & set(DEVICE_KINDS) else "cpu"
+
+
+def _finish(columns: Columns, rounded: bool) -> dict[str, np.ndarray]:
+    """Freeze one event kind, with ``end`` in place of ``dur`` (rounded like HTA when the trace has sub-µs times)."""
+    frozen = columns.freeze()
+    ts, dur = frozen.pop("ts"), frozen.pop("dur")
+    end = ts + dur
+    if rounded:
+        ts, end = np.ceil(ts), np.floor(end)
+    return {"ts": ts, "end": end, **frozen}
+
+
+def read_trace(path: str | Path) -> TraceEvents:
+    """Read one Kineto trace into columns. Raises `TraceReadError` (or OSError) with the reason when it cannot."""
+    path = Path(path)
+    trace = TraceFile(path)
+    collector = _Collector()
+    enabled = gc.isenabled()
+    gc.disable()  # millions of short-lived dicts: the cyclic collector would triple the parse time, and finds nothing
+    try:
+        for batch in iter_events(path, trace):
+            collector.add(batch)
+            del batch
+    finally:
+        if enabled:
+            gc.enable()
+    kinds = ("device", "runtime", "cpu", "gpu_annotations")
+    columns = {kind: _finish(getattr(collector, kind), collector.fractional) for kind in kinds}
+    starts = [c["ts"].min() for c in columns.values() if len(c["ts"])]
+    origin = float(min(starts)) if starts else 0.0
+    for c in columns.values():  # whole µs below 2**53: subtracting is exact
+        c["ts"] -= origin
+        c["end"] -= origin
+    rank, source = rank_of(path, trace.meta)
+    return TraceEvents(
+        path=path,
+        rank=rank,
+        rank_source=source,
+        meta=trace.meta,
+        names=collector.names,
+        events=trace.events,
+        bytes_read=trace.bytes_read,
+        origin_us=origin,
+        device_type=_device_type(trace.meta, collector.categories),
+        rounded=collector.fractional,
+        **columns,
+    )
+
+
+def trace_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The trace files named, folders expanded to their ``*.json`` / ``*.json.gz`` files (sorted, recursive)."""
+    found: list[Path] = []
+    for item in map(Path, paths):
+        if item.is_dir():
+            found += sorted(p for p in item.rglob("*") if p.is_file() and p.name.endswith((".json", ".json.gz")))
+        else:
+            found.append(item)
+    return found

@@ -1,0 +1,199 @@
+"""Stream the events of a Kineto (torch.profiler) JSON trace in bounded memory.
+
+A trace is one JSON object whose ``traceEvents`` array holds almost all of its bytes. Parsing the whole file at
+once costs several times its size in Python objects, so the array is cut into runs of complete events and each run
+is parsed on its own with orjson: memory stays at a few chunks whatever the trace size.
+
+The cut points come from the JSON structure, not from the layout (Kineto pretty-prints; traces re-written by other
+tools are one line): numpy finds every quote and bracket of a chunk, brackets inside strings are dropped by the
+parity of the quotes before them, and the nesting depth is the running sum of the rest. An event ends where the
+depth comes back to the array's level. Everything outside the array (``distributedInfo``, ``deviceProperties``,
+``displayTimeUnit``, ...) is parsed once with an empty array in its place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import orjson
+
+CHUNK_BYTES = 8 << 20  # decompressed bytes per parse: large enough to amortise numpy calls, small enough for caches
+GZIP_MAGIC = b"\x1f\x8b"
+_QUOTE, _OPEN, _CLOSE = 0x22, 0x7B, 0x7D  # '"' and, once OR-ed with 0x20, '{' / '[' and '}' / ']'
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*$')
+
+
+class TraceReadError(ValueError):
+    """A file that cannot be read as a Kineto trace, with the reason in one sentence."""
+
+
+@dataclass
+class TraceFile:
+    """What lies outside ``traceEvents``: the trace's metadata (``distributedInfo``, ``deviceProperties``, ...)."""
+
+    path: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+    events: int = 0
+    bytes_read: int = 0  # decompressed bytes
+
+
+def _chunks(handle: BinaryIO, compressed: bool) -> Iterator[bytes]:
+    """Decompressed chunks of the file (gzip members one after the other, as `gzip` itself reads them)."""
+    if not compressed:
+        while chunk := handle.read(CHUNK_BYTES):
+            yield chunk
+        return
+    inflate = zlib.decompressobj(wbits=31)
+    fed = False  # whether the current member has begun: a stream may end only between members
+    while raw := handle.read(CHUNK_BYTES // 4):
+        while raw:
+            fed = True
+            out = inflate.decompress(raw, CHUNK_BYTES)
+            raw = inflate.unconsumed_tail
+            if inflate.eof:
+                raw = inflate.unused_data + raw
+                inflate, fed = zlib.decompressobj(wbits=31), False
+                if not raw.strip(b"\x00"):  # gzip tolerates zero padding after the last member
+                    raw = b""
+            if out:
+                yield out
+    if fed and not inflate.eof:
+        raise TraceReadError("the gzip stream is cut short (the file is truncated)")
+
+
+def _unescaped_quotes(buf: bytes, quotes: np.ndarray) -> np.ndarray:
+    """Drop the quotes escaped by an odd run of backslashes (rare: only strings that contain quotes)."""
+    escaped = []
+    start = buf.find(b'\\"')
+    while start != -1:
+        quote = start + 1
+        run = 0
+        while start - run >= 0 and buf[start - run] == 0x5C:
+            run += 1
+        if run % 2:
+            escaped.append(quote)
+        start = buf.find(b'\\"', quote)
+    if not escaped:
+        return quotes
+    return np.setdiff1d(quotes, np.asarray(escaped, dtype=quotes.dtype), assume_unique=True)
+
+
+def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the brackets outside strings in ``buf`` (which starts outside a string), and the depth after each.
+
+    Depth counts from 0 at the start of ``buf``: an opening bracket raises it by one, a closing one lowers it.
+    """
+    data = np.frombuffer(buf, dtype=np.uint8)
+    folded = data | 0x20
+    brackets = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
+    quotes = np.flatnonzero(data == _QUOTE)
+    if b'\\"' in buf:
+        quotes = _unescaped_quotes(buf, quotes)
+    outside = (np.searchsorted(quotes, brackets) & 1) == 0
+    brackets = brackets[outside]
+    steps = np.where(folded[brackets] == _OPEN, 1, -1).astype(np.int32)
+    return brackets, np.cumsum(steps, dtype=np.int32)
+
+
+def _events_start(buf: bytes) -> int:
+    """Offset just after the ``[`` of the top-level ``traceEvents`` array, or -1 when ``buf`` does not reach it."""
+    brackets, depth = _structure(buf)
+    # the array's bracket takes the depth from 1 (inside the top-level object) to 2
+    for pos in brackets[depth == 2]:
+        if buf[pos] == 0x5B and _EVENTS_KEY.search(buf, max(0, pos - 64), pos):
+            return int(pos) + 1
+    return -1
+
+
+def _split_events(buf: bytes) -> tuple[int, int, int]:
+    """Within the array (``buf`` starts between two events): (end of the last complete event + 1, events, array end).
+
+    The array's end is the offset of its ``]``, or -1 when ``buf`` stops before it.
+    """
+    brackets, depth = _structure(buf)
+    closes = depth == 0  # an event's '}' brings the depth back to the array's level
+    array_end = np.flatnonzero(depth < 0)
+    end_at = int(brackets[array_end[0]]) if len(array_end) else -1
+    ends = brackets[closes]
+    if end_at >= 0:
+        ends = ends[ends < end_at]
+    last = int(ends[-1]) + 1 if len(ends) else 0
+    return last, len(ends), end_at
+
+
+def iter_events(path: str | Path, trace: TraceFile | None = None) -> Iterator[list[dict[str, Any]]]:
+    """Yield the events of a Kineto trace (``.json`` or ``.json.gz``) as lists of dicts, a chunk at a time.
+
+    ``trace`` (if given) receives the metadata once the file has been read to its end. Raises `TraceReadError` for
+    a file that is not JSON, not a Kineto trace, or truncated; OSError for a file that cannot be opened.
+    """
+    path = Path(path)
+    trace = trace if trace is not None else TraceFile(path)
+    with open(path, "rb") as handle:
+        compressed = handle.read(2) == GZIP_MAGIC
+        handle.seek(0)
+        try:
+            yield from _parse(_chunks(handle, compressed), trace)
+        except (zlib.error, EOFError) as error:
+            raise TraceReadError(f"the gzip data is corrupt ({error})") from None
+        except orjson.JSONDecodeError as error:
+            raise TraceReadError(f"the JSON is malformed ({error})") from None
+
+
+def _counted(chunks: Iterator[bytes], trace: TraceFile) -> Iterator[bytes]:
+    for chunk in chunks:
+        trace.bytes_read += len(chunk)
+        yield chunk
+
+
+def _parse(raw_chunks: Iterator[bytes], trace: TraceFile) -> Iterator[list[dict[str, Any]]]:
+    chunks = _counted(raw_chunks, trace)
+    header = b""
+    start = -1
+    for chunk in chunks:
+        header += chunk
+        if not header.lstrip().startswith(b"{"):
+            _refuse(header)
+        start = _events_start(header)
+        if start >= 0 or len(header) > 64 * CHUNK_BYTES:
+            break
+    if start < 0:
+        _refuse(header)
+    pending, header = header[start:], header[: start - 1]
+    trailer = None
+    for chunk in itertools.chain([b""], chunks):
+        pending += chunk
+        last, count, end_at = _split_events(pending)
+        if count:
+            trace.events += count
+            yield orjson.loads(b"[" + pending[:last].lstrip(b", \t\r\n") + b"]")
+        if end_at >= 0:
+            trailer = pending[end_at + 1 :]
+            break
+        pending = pending[last:]
+    if trailer is None:
+        raise TraceReadError(f"the file ends inside traceEvents after {trace.events:,} events (truncated)")
+    trailer += b"".join(chunks)
+    trace.meta = orjson.loads(header + b"[]" + trailer)
+    trace.meta.pop("traceEvents", None)
+
+
+def _refuse(head: bytes) -> None:
+    """Say what a file without ``traceEvents`` is, when it is recognisable."""
+    text = head.lstrip()[:4096]
+    if not text:
+        raise TraceReadError("the file is empty")
+    if b'"nodes"' in text and b'"schema"' in text:
+        raise TraceReadError("this is a PyTorch execution trace (ExecutionTraceObserver), not a Kineto trace")
+    if text.startswith(b"[["):
+        raise TraceReadError("this looks like a memory timeline (export_memory_timeline), not a Kineto trace")
+    if not text.startswith((b"{", b"[")):
+        raise TraceReadError("the file is not JSON")
+    raise TraceReadError("the JSON has no traceEvents array: not a Kineto trace")
