@@ -294,6 +294,28 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
     )
 
 
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks like 0,1,8, got {text!r}") from None
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from stepscope.analyses.trace.analyze import analyze_trace
+    from stepscope.report.trace import print_trace
+
+    missing = [p for p in args.paths if not Path(p).exists()]
+    for path in missing:
+        print(f"stepscope: {path}: no such file or folder", file=sys.stderr)
+    present = [p for p in args.paths if p not in missing]
+    analysis = analyze_trace(present, ranks=args.ranks, top=args.top, jobs=args.jobs)
+    print_trace(analysis)
+    if args.json:
+        _write_json(args.json, analysis.to_dict(), "trace analysis")
+    return 0 if analysis.ranks else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepscope", description="Where does my PyTorch training step time go, and what to fix first."
@@ -359,6 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--against", metavar="SUMMARY", help="a `stepscope run` summary: loader ceiling vs training")
     loader.add_argument("--json", metavar="PATH", help="write the loader figures here")
     loader.set_defaults(func=_dataloader)
+
+    trace = commands.add_parser(
+        "trace",
+        help="analyse torch.profiler (Kineto) traces: GPU idle/compute/communication, idle causes, top kernels",
+    )
+    trace.add_argument("paths", nargs="+", metavar="PATH_OR_DIR", help="trace files (.json, .json.gz) or folders")
+    trace.add_argument("--json", metavar="PATH", help="write the analysis here")
+    trace.add_argument("--ranks", type=_rank_list, help="only these ranks, e.g. 0,1,8")
+    trace.add_argument("--top", type=_int_at_least(1), default=10, help="kernels listed per rank (default 10)")
+    trace.add_argument("--jobs", type=_int_at_least(0), default=0, help="files read in parallel (0: one per core)")
+    trace.set_defaults(func=_trace)
     return parser
 
 

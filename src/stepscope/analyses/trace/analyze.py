@@ -1,0 +1,471 @@
+"""`analyze_trace`: one rank per trace file, read in parallel, analysed with HTA's definitions, compared across ranks.
+
+A folder is one job: each file is a rank (``distributedInfo.rank``, else ``rank<N>`` in the file name, else 0).
+Files that cannot be read are reported with the reason and the others analysed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import time
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stepscope.analyses.trace import breakdown as bd
+from stepscope.analyses.trace.events import TraceEvents, read_trace, trace_files
+from stepscope.analyses.trace.stream import TraceReadError
+from stepscope.summary import Verdict
+
+DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__")
+PHASE_PREFIX = "stepscope/"  # the record_function ranges stepscope's capture writes
+LOSS_FLOOR_PCT = 15.0  # a cause must cost at least this share of the GPU's time to be named the bottleneck
+COMPUTE_BOUND_PCT = 60.0
+STRAGGLER_RATIO = 1.05  # a rank whose mean step is 5% above the median rank's
+
+DEFINITIONS = {
+    "window": "HTA's: the last ProfilerStep is dropped (device events count when their launch is before it); "
+    "a job with fewer than two ProfilerStep names is analysed whole",
+    "kernel_span": "first device event start to last device event end on the rank, after the window is applied",
+    "idle_pct": "kernel span minus the union of device events on every stream, % of the kernel span",
+    "compute_pct": "union of computation kernels, % of the kernel span",
+    "non_compute_pct": "kernel span minus compute minus idle: communication, memory copies/sets and syncs that "
+    "no computation overlaps, % of the kernel span",
+    "kernel types": "communication ^nccl.*Kernel (NCCL and RCCL); memory ^Memcpy|^Memset|^dma; computation: not "
+    "^nccl.*Kernel|.*Memcpy|^Memset|.*Sync; other: the rest",
+    "idle_breakdown": "per stream, each gap before a kernel: host_wait if its launch call started after the previous "
+    "kernel ended, kernel_wait if not and the gap is under 30 µs, other otherwise; % of the gaps summed over streams",
+    "overlap_pct": "union of communication kernels during which computation runs, % of the communication union",
+    "exposed_comm_pct": "communication not overlapped by computation, % of the kernel span",
+    "wall": "the same shares over the window's ProfilerSteps (first step start to last kept step end) instead of "
+    "the kernel span",
+    "top_kernels": "device events grouped by name, by total duration; pct of the summed durations",
+    "data_loading": "host spans named enumerate(DataLoader)... or DataLoader...__next__, per kept ProfilerStep; "
+    "gpu_idle_pct: share of their time with no device event running",
+    "cpu": "CPU-only traces: union of aten:: ops on the thread with the ProfilerSteps (else the busiest), % of "
+    "the window",
+}
+
+
+@dataclass
+class KernelStat:
+    """One kernel name's device time (µs) and share (%) of the rank's summed device time."""
+
+    name: str
+    type: str
+    count: int
+    total_us: float
+    mean_us: float
+    pct: float
+
+
+@dataclass
+class DataLoading:
+    """DataLoader spans seen on the host: per step (ms), share of the step (%), and GPU idleness during them (%)."""
+
+    spans: int
+    per_step_ms: float
+    step_share_pct: float | None
+    gpu_idle_pct: float | None
+
+
+@dataclass
+class CpuShare:
+    """CPU-only traces: ATen op time vs everything else on the main thread (% of the window)."""
+
+    thread: int
+    basis_ms: float
+    computation_pct: float
+    other_pct: float
+
+
+@dataclass
+class RankTrace:
+    """One rank's figures; percentages of the kernel span unless the field says otherwise (see `DEFINITIONS`)."""
+
+    rank: int
+    file: str
+    job: str  # the folder the file is in: the files of one folder are the ranks of one job
+    rank_source: str
+    device_type: str
+    steps: int = 0  # ProfilerSteps in the window
+    step_ms: float | None = None  # their mean duration
+    kernel_span_ms: float | None = None
+    idle_pct: float | None = None
+    compute_pct: float | None = None
+    non_compute_pct: float | None = None
+    overlap_pct: float | None = None
+    exposed_comm_pct: float | None = None
+    idle_breakdown: dict[str, float] | None = None
+    wall: dict[str, float] | None = None
+    kernel_types: dict[str, dict[str, float]] = field(default_factory=dict)
+    top_kernels: list[KernelStat] = field(default_factory=list)
+    data_loading: DataLoading | None = None
+    cpu: CpuShare | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)  # stepscope's phase ranges, mean per step
+    notes: list[str] = field(default_factory=list)
+    verdict: Verdict = field(default_factory=Verdict)
+
+
+@dataclass
+class TraceFileStatus:
+    """What happened to one input file."""
+
+    path: str
+    ok: bool
+    reason: str = ""
+    rank: int | None = None
+    events: int = 0
+    mb: float = 0.0  # decompressed size
+    read_s: float = 0.0
+
+
+@dataclass
+class TraceAnalysis:
+    """The result of `analyze_trace`; `to_dict` is the JSON of ``stepscope trace --json``."""
+
+    ranks: list[RankTrace]
+    files: list[TraceFileStatus]
+    verdict: Verdict
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    spread: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # job -> figure -> min/max/...
+    warnings: list[str] = field(default_factory=list)
+    definitions: dict[str, str] = field(default_factory=lambda: dict(DEFINITIONS))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return asdict(self)
+
+
+def _read(path: Path) -> tuple[TraceEvents | None, TraceFileStatus]:
+    start = time.perf_counter()
+    try:
+        trace = read_trace(path)
+    except (TraceReadError, OSError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return None, TraceFileStatus(str(path), False, reason, read_s=time.perf_counter() - start)
+    status = TraceFileStatus(
+        str(path), True, rank=trace.rank, events=trace.events, mb=trace.bytes_read / 1e6,
+        read_s=time.perf_counter() - start,
+    )  # fmt: skip
+    return trace, status
+
+
+def _read_all(paths: list[Path], jobs: int) -> list[tuple[TraceEvents | None, TraceFileStatus]]:
+    if jobs <= 1 or len(paths) <= 1:
+        return [_read(p) for p in paths]
+    with ProcessPoolExecutor(max_workers=min(jobs, len(paths))) as pool:
+        return list(pool.map(_read, paths))
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _step_stats(win: bd.Window) -> tuple[int, float | None]:
+    durations = [end - start for start, end in win.steps]
+    return len(durations), (statistics.fmean(durations) / 1000 if durations else None)
+
+
+def _kernels(trace: TraceEvents, dev: bd.DeviceTime, top: int) -> tuple[dict[str, dict[str, float]], list[KernelStat]]:
+    dur = dev.end - dev.ts
+    total = float(dur.sum())
+    if total <= 0:
+        return {}, []
+    types = {}
+    for t, label in enumerate(bd.KERNEL_TYPES):
+        spent = float(dur[dev.types == t].sum())
+        if spent > 0:
+            types[label] = {"time_ms": spent / 1000, "pct": 100 * spent / total}
+    by_name = np.bincount(dev.name, weights=dur, minlength=len(trace.names))
+    counts = np.bincount(dev.name, minlength=len(trace.names))
+    stats = []
+    for i in np.argsort(-by_name, kind="stable")[:top]:
+        if counts[i] == 0:
+            break
+        name = trace.names[i]
+        stats.append(
+            KernelStat(
+                name,
+                bd.KERNEL_TYPES[bd.kernel_type(name)],
+                int(counts[i]),
+                float(by_name[i]),
+                float(by_name[i] / counts[i]),
+                100 * float(by_name[i]) / total,
+            )
+        )
+    return types, stats
+
+
+def _host_rows(trace: TraceEvents, pattern: re.Pattern[str], win: bd.Window) -> np.ndarray:
+    rows = np.isin(trace.cpu["name"], trace.name_ids(pattern))
+    if win.dropped_step and win.steps:
+        rows &= trace.cpu["ts"] < win.steps[-1][1]
+    return rows
+
+
+def _data_loading(trace: TraceEvents, win: bd.Window, dev: bd.DeviceTime | None) -> DataLoading | None:
+    rows = _host_rows(trace, DATALOADER, win)
+    if not rows.any():
+        return None
+    spans = bd.merge(trace.cpu["ts"][rows], trace.cpu["end"][rows])
+    total = bd.length(spans)
+    steps = len(win.steps)
+    per_step = total / steps if steps else total
+    step_share = None
+    if steps:
+        step_us = sum(end - start for start, end in win.steps)
+        step_share = 100 * total / step_us if step_us > 0 else None
+    gpu_idle = None
+    if dev is not None and len(dev.busy[0]) and total > 0:
+        gpu_idle = 100 * (total - bd.intersection(spans, dev.busy)) / total
+    return DataLoading(int(rows.sum()), per_step / 1000, step_share, gpu_idle)
+
+
+def _phases(trace: TraceEvents, win: bd.Window) -> dict[str, float]:
+    rows = _host_rows(trace, re.compile("^" + re.escape(PHASE_PREFIX)), win)
+    if not rows.any():
+        return {}
+    steps = max(len(win.steps), 1)
+    spent = np.bincount(trace.cpu["name"][rows], weights=trace.cpu["end"][rows] - trace.cpu["ts"][rows])
+    return {trace.names[i].removeprefix(PHASE_PREFIX): float(spent[i]) / steps / 1000 for i in np.flatnonzero(spent)}
+
+
+def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
+    cpu = trace.cpu
+    ops = cpu["kind"] == 0
+    if not ops.any():
+        return None
+    step_rows = np.isin(cpu["name"], trace.name_ids(re.compile("ProfilerStep")))
+    if step_rows.any():
+        thread = int(Counter(cpu["tid"][step_rows].tolist()).most_common(1)[0][0])
+    else:
+        busy = Counter()
+        for tid, spent in zip(cpu["tid"][ops].tolist(), (cpu["end"] - cpu["ts"])[ops].tolist(), strict=True):
+            busy[tid] += spent
+        thread = int(busy.most_common(1)[0][0])
+    if win.steps:
+        lo, hi = win.steps[0][0], win.steps[-1][1]
+    else:
+        on_thread = cpu["tid"] == thread
+        lo, hi = float(cpu["ts"][on_thread].min()), float(cpu["end"][on_thread].max())
+    if hi <= lo:
+        return None
+    aten = ops & (cpu["tid"] == thread) & np.isin(cpu["name"], trace.name_ids(re.compile(r"^aten::")))
+    computing = bd.length(bd.clip(bd.merge(cpu["ts"][aten], cpu["end"][aten]), lo, hi))
+    share = 100 * computing / (hi - lo)
+    return CpuShare(thread, (hi - lo) / 1000, share, 100 - share)
+
+
+def analyze_rank(trace: TraceEvents, job_step_names: int, top: int = 10) -> RankTrace:
+    """Every figure for one rank (see `DEFINITIONS`); ``job_step_names``: distinct ProfilerStep names in the job."""
+    win = bd.window(trace, job_step_names)
+    result = RankTrace(trace.rank, str(trace.path), str(trace.path.parent), trace.rank_source, trace.device_type)
+    result.steps, result.step_ms = _step_stats(win)
+    if win.note:
+        result.notes.append(win.note)
+    dev = bd.device_time(trace, win)
+    span = bd.temporal(dev)
+    if span is None:
+        result.notes.append("no GPU activity in the window: GPU figures are absent")
+        dev_for_data = None
+    else:
+        dev_for_data = dev
+        result.kernel_span_ms = span.basis_us / 1000
+        result.idle_pct, result.compute_pct, result.non_compute_pct = (
+            span.idle_pct,
+            span.compute_pct,
+            span.non_compute_pct,
+        )
+        result.overlap_pct = bd.overlap_pct(dev)
+        comm = dev.by_type[bd.COMMUNICATION]
+        if len(comm[0]):
+            exposed = bd.length(comm) - bd.intersection(comm, dev.by_type[bd.COMPUTATION])
+            result.exposed_comm_pct = 100 * exposed / span.basis_us
+        idle = bd.idle_breakdown(trace, win, dev)
+        if idle is not None:
+            result.idle_breakdown = {
+                "host_wait_pct": idle.host_wait_pct, "kernel_wait_pct": idle.kernel_wait_pct,
+                "other_pct": idle.other_pct,
+            }  # fmt: skip
+        if win.steps:
+            wall = bd.temporal(dev, win.steps[0][0], win.steps[-1][1])
+            if wall is not None:
+                result.wall = {
+                    "basis_ms": wall.basis_us / 1000, "idle_pct": wall.idle_pct, "compute_pct": wall.compute_pct,
+                    "non_compute_pct": wall.non_compute_pct,
+                }  # fmt: skip
+        result.kernel_types, result.top_kernels = _kernels(trace, dev, top)
+    result.data_loading = _data_loading(trace, win, dev_for_data)
+    result.phases_ms = _phases(trace, win)
+    if span is None:
+        result.cpu = _cpu_share(trace, win)
+    result.verdict = rank_verdict(result)
+    return result
+
+
+def _losses(rank: RankTrace) -> dict[str, tuple[float, str]]:
+    """Share (%) of the rank's time each cause costs, with the sentence that shows it."""
+    losses: dict[str, tuple[float, str]] = {}
+    data = rank.data_loading
+    if data and data.step_share_pct is not None:
+        idle_frac = (data.gpu_idle_pct if data.gpu_idle_pct is not None else 100.0) / 100
+        losses["data"] = (
+            data.step_share_pct * idle_frac,
+            f"DataLoader spans take {data.per_step_ms:.1f} ms per step ({data.step_share_pct:.0f}% of the step)"
+            + (f", the GPU idle for {data.gpu_idle_pct:.0f}% of them" if data.gpu_idle_pct is not None else ""),
+        )
+    if rank.exposed_comm_pct is not None:
+        losses["comms"] = (
+            rank.exposed_comm_pct,
+            f"communication not overlapped by computation is {rank.exposed_comm_pct:.1f}% of the kernel span "
+            f"(overlap {rank.overlap_pct or 0:.0f}%)",
+        )
+    if rank.idle_pct is not None and rank.idle_breakdown:
+        host = rank.idle_pct * rank.idle_breakdown["host_wait_pct"] / 100
+        if "data" in losses:  # time already blamed on the loader
+            host = max(host - losses["data"][0], 0.0)
+        losses["host"] = (
+            host,
+            f"the GPU idles {rank.idle_pct:.1f}% of the kernel span, {rank.idle_breakdown['host_wait_pct']:.0f}% of "
+            "it waiting for the host to launch the next kernel",
+        )
+    return losses
+
+
+def rank_verdict(rank: RankTrace) -> Verdict:
+    """The rank's bottleneck: the cause that costs the most GPU time, if any costs over 15%, else compute or unknown."""
+    losses = sorted(_losses(rank).items(), key=lambda item: -item[1][0])
+    if losses and losses[0][1][0] >= LOSS_FLOOR_PCT:
+        (bound, (loss, why)), rest = losses[0], losses[1:]
+        runner_up = rest[0][1][0] if rest else 0.0
+        confidence = "high" if loss >= 25 and loss >= 2 * runner_up else "medium"
+        return Verdict(bound, confidence, [why] + [w for _, (v, w) in rest if v >= LOSS_FLOOR_PCT])
+    if rank.compute_pct is not None and rank.compute_pct >= COMPUTE_BOUND_PCT:
+        return Verdict("compute", "high" if rank.compute_pct >= 80 else "medium", [
+            f"computation kernels run {rank.compute_pct:.0f}% of the kernel span; the GPU is the bottleneck"
+        ])  # fmt: skip
+    if rank.cpu is not None:
+        return Verdict("unknown", "low", [
+            f"CPU-only trace: ATen ops take {rank.cpu.computation_pct:.0f}% of the main thread's time"
+        ])  # fmt: skip
+    evidence = [w for _, (_, w) in losses] or ["no device activity to attribute"]
+    return Verdict("unknown", "low", evidence)
+
+
+def _spread(ranks: list[RankTrace]) -> dict[str, dict[str, float]]:
+    spread = {}
+    for figure in ("step_ms", "idle_pct", "compute_pct", "non_compute_pct", "overlap_pct"):
+        values = [getattr(r, figure) for r in ranks if getattr(r, figure) is not None]
+        if len(values) > 1:
+            spread[figure] = {
+                "min": min(values), "max": max(values), "mean": statistics.fmean(values),
+                "range": max(values) - min(values),
+            }  # fmt: skip
+    return spread
+
+
+def _stragglers(ranks: list[RankTrace]) -> list[dict[str, Any]]:
+    timed = [r for r in ranks if r.step_ms]
+    if len(timed) < 2:
+        return []
+    median = statistics.median(r.step_ms for r in timed)
+    slow = max(timed, key=lambda r: r.step_ms)
+    if slow.step_ms < STRAGGLER_RATIO * median:
+        return []
+
+    def per_step_ms(r: RankTrace, share: float | None) -> float:
+        return (share or 0.0) / 100 * (r.kernel_span_ms or 0.0) / max(r.steps, 1)
+
+    parts = {
+        "computation": lambda r: per_step_ms(r, r.compute_pct),
+        "GPU idle": lambda r: per_step_ms(r, r.idle_pct),
+        "non-compute kernels": lambda r: per_step_ms(r, r.non_compute_pct),
+        "data loading": lambda r: r.data_loading.per_step_ms if r.data_loading else 0.0,
+    }
+    excess = {name: f(slow) - statistics.median(f(r) for r in timed) for name, f in parts.items()}
+    why, extra = max(excess.items(), key=lambda item: item[1])
+    return [{
+        "rank": slow.rank, "step_ms": slow.step_ms, "median_step_ms": median,
+        "slower_pct": 100 * (slow.step_ms / median - 1),
+        "why": f"{why}: {extra:+.2f} ms per step over the median rank" if extra > 0 else "no single figure explains it",
+    }]  # fmt: skip
+
+
+def job_verdict(ranks: list[RankTrace]) -> Verdict:
+    """The verdict of most ranks of one job, with the first such rank's evidence."""
+    if not ranks:
+        return Verdict("unknown", "low", ["nothing could be analysed"])
+    if len({r.job for r in ranks}) > 1:
+        return Verdict("unknown", "low", ["several jobs: see each rank's verdict"])
+    bounds = Counter(r.verdict.bound for r in ranks)
+    bound, count = bounds.most_common(1)[0]
+    example = next(r for r in ranks if r.verdict.bound == bound)
+    evidence = [f"rank {example.rank}: {line}" for line in example.verdict.evidence]
+    if len(ranks) > 1:
+        evidence.insert(0, f"{count} of {len(ranks)} ranks are {bound}-bound")
+    confidence = example.verdict.confidence if count == len(ranks) else "medium" if count > len(ranks) / 2 else "low"
+    return Verdict(bound, confidence, evidence)
+
+
+def analyze_trace(
+    paths: str | Path | Iterable[str | Path], ranks: Iterable[int] | None = None, top: int = 10, jobs: int = 0
+) -> TraceAnalysis:
+    """Analyse Kineto traces: a file, a folder (one job, a file per rank), or several of them.
+
+    ``ranks`` keeps only those ranks; ``top`` kernels are listed per rank; ``jobs`` processes read files in
+    parallel (0: one per usable core). Unreadable files are listed with their reason in ``files``.
+    """
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    files = trace_files(items)
+    read = _read_all(files, jobs or usable_cores())
+    statuses = [status for _, status in read]
+    traces = [t for t, _ in read if t is not None]
+    warnings: list[str] = []
+    if not files:
+        warnings.append("no .json or .json.gz files found in " + ", ".join(map(str, items)))
+    wanted = set(ranks) if ranks is not None else None
+    if wanted is not None:
+        traces = [t for t in traces if t.rank in wanted]
+    results: list[RankTrace] = []
+    stragglers: list[dict[str, Any]] = []
+    spread: dict[str, dict[str, dict[str, float]]] = {}
+    for job, members in _jobs(traces).items():
+        step_names: set[str] = set()
+        for trace in members:
+            step_names |= bd.profiler_steps(trace)[2]
+        analysed = sorted((analyze_rank(t, len(step_names), top) for t in members), key=lambda r: r.rank)
+        results += analysed
+        seen = Counter(r.rank for r in analysed)
+        if duplicated := sorted(r for r, n in seen.items() if n > 1):
+            warnings.append(
+                f"{job}: rank(s) {', '.join(map(str, duplicated))} appear in more than one file: the folder mixes "
+                "jobs, so its ranks are not compared"
+            )
+            continue
+        stragglers += [{"job": job, **s} for s in _stragglers(analysed)]
+        if job_spread := _spread(analysed):
+            spread[job] = job_spread
+    return TraceAnalysis(
+        ranks=results, files=statuses, verdict=job_verdict(results), stragglers=stragglers, spread=spread,
+        warnings=warnings,
+    )  # fmt: skip
+
+
+def _jobs(traces: list[TraceEvents]) -> dict[str, list[TraceEvents]]:
+    """Traces grouped by folder: the files of one folder are the ranks of one job."""
+    jobs: dict[str, list[TraceEvents]] = {}
+    for trace in traces:
+        jobs.setdefault(str(trace.path.parent), []).append(trace)
+    return jobs

@@ -1,0 +1,97 @@
+"""Terminal report of `stepscope trace`: per-rank breakdown, top kernels, stragglers, verdict, unreadable files."""
+
+from __future__ import annotations
+
+from typing import IO
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from stepscope.analyses.trace.analyze import RankTrace, TraceAnalysis, job_verdict
+from stepscope.report.terminal import _ASCII_HEAD, _console, _plain
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.2f}"
+
+
+def rank_breakdown(analysis: TraceAnalysis, ascii_only: bool = False) -> Table:
+    """One row per rank: step, kernel span, idle/compute/non-compute, idle causes, overlap, data loading, verdict."""
+    table = Table(
+        box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1)
+    )
+    columns = ("rank", "steps", "step ms", "span ms", "idle%", "comp%", "noncomp%", "hostwait%", "kernwait%",
+               "overlap%", "data ms", "bound")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("rank", "bound") else "right", no_wrap=True)
+    for r in analysis.ranks:
+        idle = r.idle_breakdown or {}
+        table.add_row(
+            str(r.rank), str(r.steps), _ms(r.step_ms), _ms(r.kernel_span_ms), _pct(r.idle_pct), _pct(r.compute_pct),
+            _pct(r.non_compute_pct), _pct(idle.get("host_wait_pct")), _pct(idle.get("kernel_wait_pct")),
+            _pct(r.overlap_pct), _ms(r.data_loading.per_step_ms if r.data_loading else None), r.verdict.bound,
+        )  # fmt: skip
+    return table
+
+
+def kernel_table(rank: RankTrace, ascii_only: bool = False) -> Table:
+    """The rank's top kernels by total device time."""
+    table = Table(
+        box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1)
+    )
+    table.add_column("kernel", no_wrap=True, max_width=50, overflow="ellipsis")
+    for column in ("type", "calls", "total ms", "mean µs", "% kernel time"):
+        table.add_column(column, justify="left" if column == "type" else "right", no_wrap=True)
+    for k in rank.top_kernels:
+        table.add_row(escape(k.name), k.type, f"{k.count:,}", f"{k.total_us / 1000:,.2f}", f"{k.mean_us:,.1f}",
+                      f"{k.pct:.1f}")  # fmt: skip
+    return table
+
+
+def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | None = None) -> None:
+    """Print the analysis: rank table, the first ranks' top kernels, CPU-only shares, stragglers, verdict, errors."""
+    console: Console = _console(file)
+    plain = _plain(console)
+    for status in analysis.files:
+        if not status.ok:
+            console.print(f"skipped {escape(status.path)}: {escape(status.reason)}")
+    for warning in analysis.warnings:
+        console.print(f"warning: {escape(warning)}")
+    if not analysis.ranks:
+        console.print("nothing could be analysed")
+        return
+    jobs = sorted({r.job for r in analysis.ranks})
+    for job in jobs:
+        ranks = [r for r in analysis.ranks if r.job == job]
+        files = ", ".join(sorted({r.file.rsplit("/", 1)[-1] for r in ranks}))
+        console.print(f"\nstepscope trace · {escape(job)} · {len(ranks)} rank(s) · {escape(files[:200])}")
+        console.print(rank_breakdown(TraceAnalysis(ranks, [], analysis.verdict), plain))
+        for r in ranks[:top_ranks]:
+            if r.top_kernels:
+                console.print(f"top kernels, rank {r.rank}:")
+                console.print(kernel_table(r, plain))
+            if r.cpu is not None:
+                console.print(
+                    f"rank {r.rank} (CPU only): ATen ops {r.cpu.computation_pct:.1f}%, other {r.cpu.other_pct:.1f}% "
+                    f"of {r.cpu.basis_ms:,.1f} ms on thread {r.cpu.thread}"
+                )
+            if r.phases_ms:
+                phases = ", ".join(f"{name} {ms:.2f}" for name, ms in r.phases_ms.items())
+                console.print(f"rank {r.rank} stepscope phases, ms per step: {phases}")
+            for note in r.notes:
+                console.print(f"rank {r.rank}: {escape(note)}")
+        for s in (s for s in analysis.stragglers if s["job"] == job):
+            console.print(
+                f"straggler: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['slower_pct']:.0f}% over the median "
+                f"rank ({s['median_step_ms']:.2f} ms); {escape(s['why'])}"
+            )
+        verdict = ranks[0].verdict if len(ranks) == 1 else job_verdict(ranks)
+        console.print(escape(f"bound: {verdict.bound} [confidence {verdict.confidence}]"))
+        for line in verdict.evidence:
+            console.print(f"  {escape(line)}")
