@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
+from stepscope.instrument.profile import NO_RANGES, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges, _NoRanges
 from stepscope.record import DATA_PHASE, OTHER_PHASE, Recorder, StepRecord, summarize
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary
@@ -166,6 +167,36 @@ class _CudaPhase(_HostPhase):
         return super().__exit__(*exc)
 
 
+class _MarkedHostPhase(_HostPhase):
+    """A host phase that is also a named profiler/NVTX range (only while capturing: ranges cost a little)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        self._scope._ranges.push(self._name)
+        super().__enter__()
+
+    def __exit__(self, *exc: object) -> bool:
+        result = super().__exit__(*exc)
+        self._scope._ranges.pop()
+        return result
+
+
+class _MarkedCudaPhase(_CudaPhase):
+    """A CUDA-timed phase that is also a named profiler/NVTX range."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        self._scope._ranges.push(self._name)
+        super().__enter__()
+
+    def __exit__(self, *exc: object) -> bool:
+        result = super().__exit__(*exc)
+        self._scope._ranges.pop()
+        return result
+
+
 class _TimedIterable:
     """Wraps an iterable so that time spent inside its ``__next__`` is the ``data_wait`` phase."""
 
@@ -194,6 +225,23 @@ class _TimedIterable:
             yield item
 
 
+class _MarkedIterable(_TimedIterable):
+    """A timed iterable whose fetches are also ``stepscope/data_wait`` profiler/NVTX ranges."""
+
+    def __iter__(self) -> Iterator[Any]:
+        ranges = self._scope._ranges
+        timed = super().__iter__()
+        while True:
+            ranges.push(DATA_PHASE)
+            try:
+                item = next(timed)
+            except StopIteration:
+                return
+            finally:
+                ranges.pop()
+            yield item
+
+
 class Scope:
     """Times the phases of a training loop without perturbing it.
 
@@ -211,6 +259,12 @@ class Scope:
         system_interval_s: seconds between samples of host CPU/memory and GPU utilisation, clocks, power and energy
             (NVML), from the first measured step until ``close()``; 0.05 (20 Hz) at the fastest; None samples
             nothing. At 1 s the sampler thread costs ~0.1% of one core (docs/benchmarks.md).
+        profile: record a few steps with torch.profiler (`ProfileWindow`: schedule counted from the first measured
+            step, one ``rank<R>.step<A>-<B>.pt.trace.json.gz`` per rank and window); phases become
+            ``stepscope/<phase>`` ranges in the trace.
+        nvtx: also mark phases as NVTX ranges (for Nsight Systems; needs CUDA).
+        nsys_window: `NsysWindow` or ``"START:STOP"``: cudaProfilerStart/Stop around those steps (0-based, warm-up
+            included), for ``nsys profile --capture-range=cudaProfilerApi``.
         clock: nanosecond clock (a seam for tests); events: device event source (a seam for tests).
     """
 
@@ -233,6 +287,9 @@ class Scope:
         flops_per_step: int | None = None,
         peak_tflops: float | None = None,
         system_interval_s: float | None = 1.0,
+        profile: ProfileWindow | None = None,
+        nvtx: bool = False,
+        nsys_window: NsysWindow | str | None = None,
         clock: Clock = now_ns,
         events: EventSource | None = None,
     ) -> None:
@@ -264,12 +321,14 @@ class Scope:
         self._timing_used = "host"
         self._phases: dict[str, _HostPhase] = {}
         self._phase_type: type[_HostPhase] = _HostPhase
+        self._iterable_type: type[_TimedIterable] = _TimedIterable
         self._step_start_ns: int | None = None
         self._depth = 0
         self._current: dict[str, int] = {}
         self._claimed_ns = 0
         self._failed: str | None = None
         self._started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self._capture(profile, nvtx, nsys_window)
         if self._recorder.measuring:
             self._start_measuring()
 
@@ -286,7 +345,7 @@ class Scope:
 
     def data(self, iterable: Iterable[T]) -> Iterable[T]:
         """Iterate ``iterable`` (a DataLoader, say), timing each fetch as the ``data_wait`` phase."""
-        return _TimedIterable(self, iterable)
+        return self._iterable_type(self, iterable)
 
     def step(self, batch_size: int | None = None) -> None:
         """Close the current step; ``batch_size`` (samples) enables samples/s."""
@@ -399,6 +458,13 @@ class Scope:
         figures up to the close."""
         self._sinks.close()
         self._log_step = _no_log
+        self._on_step = _no_step
+        for capture in (self._profiler, self._nsys):
+            if capture is not None:
+                try:
+                    capture.stop()
+                except Exception as error:
+                    self._fail(error)
         collectors, self._collectors = self._collectors, NO_COLLECTORS
         try:
             final = collectors.stop(steps=self._recorder.measured, samples=self._recorder.samples or None)
@@ -434,6 +500,7 @@ class Scope:
         self._current = {}
         self._claimed_ns = 0
         recorder = self._recorder
+        self._on_step(recorder.steps_seen + 1)
         if recorder.add(record):
             device = self._device
             device.close_step(record)
@@ -444,14 +511,44 @@ class Scope:
         elif recorder.measuring:
             self._start_measuring()
 
+    def _capture(self, profile: ProfileWindow | None, nvtx: bool, nsys_window: NsysWindow | str | None) -> None:
+        """Set up the profiler window, phase ranges and Nsight window; each is absent (a no-op) unless asked for."""
+        self._profiler: Profiler | None = Profiler(profile) if profile is not None else None
+        self._nsys: NsysRange | None = None
+        if nsys_window is not None:
+            window = NsysWindow.parse(nsys_window) if isinstance(nsys_window, str) else nsys_window
+            self._nsys = NsysRange(window)
+            self._nsys.at_step(0)
+        self._ranges: Ranges | _NoRanges = NO_RANGES
+        if profile is not None or nvtx:
+            self._ranges = Ranges(record_function=profile is not None, nvtx=nvtx)
+            self._phase_type = _MarkedHostPhase
+            self._iterable_type = _MarkedIterable
+        self._on_step = self._nsys.at_step if self._nsys is not None else _no_step
+
+    def _start_profiler(self) -> None:
+        profiler = self._profiler
+        assert profiler is not None
+        profiler.start(self._recorder.steps_seen)
+        nsys = self._nsys
+
+        def on_step(step: int) -> None:
+            profiler.step()
+            if nsys is not None:
+                nsys.at_step(step)
+
+        self._on_step = on_step
+
     def _start_measuring(self) -> None:
         """Pick device timing when the first measured step begins: by then the model is where it will run."""
         use_cuda = self._timing == "cuda" or (self._timing == "auto" and (self._events is not None or cuda_in_use()))
         if use_cuda:
             self._device = DeviceTimer(self._events or CudaEvents())
             self._timing_used = "cuda"
-            self._phase_type = _CudaPhase
+            self._phase_type = _MarkedCudaPhase if self._phase_type is _MarkedHostPhase else _CudaPhase
             self._phases = {}
+        if self._profiler is not None:
+            self._start_profiler()
         if self._system_interval_s is not None:
             from stepscope.collectors import start_collectors
 
@@ -490,6 +587,10 @@ class Scope:
 
 
 def _no_log(step: int) -> None:
+    return None
+
+
+def _no_step(step: int) -> None:
     return None
 
 

@@ -111,6 +111,9 @@ class Tracker:
         self._clock = scope._clock
         self.active = True
         self._stack: list[str] = []
+        # profiler/NVTX ranges around phases (`stepscope run --trace/--nvtx`); no-ops otherwise
+        self._range_push = scope._ranges.push
+        self._range_pop = scope._ranges.pop
         self._segment_start = 0
         self._segment_event: Any = None
         # step boundary
@@ -170,6 +173,7 @@ class Tracker:
         if self._stack:
             self._close_segment(now)
         self._stack.append(name)
+        self._range_push(name)
         self._open_segment(now)
         self.count_scalars = self.active and name not in QUIET_PHASES
 
@@ -181,8 +185,10 @@ class Tracker:
             return  # already closed at a step boundary
         now = self._clock()
         self._close_segment(now)
-        while stack.pop() != name:
-            pass
+        while True:
+            self._range_pop()
+            if stack.pop() == name:
+                break
         if stack:
             self._open_segment(now)
         self.count_scalars = self.active and not (stack and stack[-1] in QUIET_PHASES)

@@ -104,7 +104,10 @@ def window(trace: TraceEvents, job_step_names: int) -> Window:
     if len(starts) == 0:
         everything.note = "no ProfilerStep on this rank: the whole trace is analysed"
         return everything
-    last_start = starts[-1]
+    # HTA cuts at the last ProfilerStep of any host-side row, and GPU annotations have no stream: they count too
+    annotations = trace.gpu_annotations
+    on_gpu = annotations["ts"][np.isin(annotations["name"], trace.name_ids(_PROFILER_STEP))]
+    last_start = max(float(starts[-1]), float(on_gpu.max())) if len(on_gpu) else float(starts[-1])
     runtime = trace.runtime["ts"] < last_start
     kept = np.unique(trace.runtime["correlation"][runtime])
     if (trace.cpu["ts"] < last_start).any():  # host events without a correlation match device events without one
