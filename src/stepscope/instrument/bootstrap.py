@@ -78,12 +78,25 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 def _start(config: Any) -> None:
     try:
         from stepscope.instrument.hooks import install
+        from stepscope.instrument.profile import ProfileWindow
         from stepscope.instrument.tracker import Tracker
         from stepscope.scope import enabled_scope
 
-        scope = enabled_scope(
-            warmup=config.warmup, system_interval_s=config.system_interval_s, sinks=_sinks(config.sinks)
-        )
+        options = {
+            "warmup": config.warmup,
+            "system_interval_s": config.system_interval_s,
+            "sinks": _sinks(config.sinks),
+        }
+        try:
+            scope = enabled_scope(
+                **options,
+                profile=ProfileWindow(**config.profile) if config.profile else None,
+                nvtx=config.nvtx,
+                nsys_window=config.nsys_window,
+            )
+        except ValueError as error:  # e.g. NVTX without CUDA: measure without the capture rather than not at all
+            _warn("could not set up the trace capture", error, then="measuring without it")
+            scope = enabled_scope(**options)
         tracker = Tracker(scope, config)
         install(tracker)
     except Exception as error:

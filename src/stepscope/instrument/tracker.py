@@ -73,6 +73,10 @@ class RunConfig:
     loader_job: dict[str, Any] | None = None
     ceiling_batches: int | None = None  # `stepscope doctor`: after the measured steps, the loader alone this long
     ceiling_time_s: float = 20.0
+    # `--trace DIR`: a torch.profiler window {dir, wait, warmup, active, repeat, record_shapes, with_stack}
+    profile: dict[str, Any] | None = None
+    nvtx: bool = False  # phases as NVTX ranges
+    nsys_window: str | None = None  # "START:STOP": cudaProfilerStart/Stop around those steps
 
 
 @dataclass
