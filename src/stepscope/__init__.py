@@ -10,6 +10,9 @@ from stepscope.analyses.loader import (
     sweep_loader,
 )
 from stepscope.analyses.params import ParamAudit, audit_params
+from stepscope.analyses.trace.analyze import RankTrace, TraceAnalysis, analyze_trace
+from stepscope.analyses.trace.stream import TraceReadError
+from stepscope.instrument.profile import NsysWindow, ProfileWindow
 from stepscope.scope import NULL_SCOPE, NullScope, Scope
 from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
 
@@ -21,16 +24,22 @@ __all__ = [
     "LoaderError",
     "LoaderResult",
     "LoaderSettings",
+    "NsysWindow",
     "NullScope",
     "ParamAudit",
     "PhaseStats",
+    "ProfileWindow",
+    "RankTrace",
     "RunSummary",
     "Scope",
     "SummaryError",
     "SweepResult",
     "SweepTrial",
+    "TraceAnalysis",
+    "TraceReadError",
     "Verdict",
     "__version__",
+    "analyze_trace",
     "audit_params",
     "measure_loader",
     "sweep_loader",

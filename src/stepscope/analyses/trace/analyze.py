@@ -25,7 +25,14 @@ from stepscope.analyses.trace.stream import TraceReadError
 from stepscope.summary import Verdict
 
 DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__")
-PHASE_PREFIX = "stepscope/"  # the record_function ranges stepscope's capture writes
+PHASE_PREFIX = "stepscope/"
+# Collectives that are not NCCL kernels (torch symmetric memory, NVSHMEM, custom all-reduce): HTA's definition counts
+# them as computation; they are named in a note rather than reclassified, so the figures stay comparable with HTA.
+HIDDEN_COLLECTIVE = re.compile(
+    r"multimem|nvshmem|symm_mem|one_shot_all_reduce|two_shot_all_reduce|(all_?reduce|all_?gather|reduce_?scatter)"
+    r".*kernel",
+    re.IGNORECASE,
+)  # the record_function ranges stepscope's capture writes
 LOSS_FLOOR_PCT = 15.0  # a cause must cost at least this share of the GPU's time to be named the bottleneck
 COMPUTE_BOUND_PCT = 60.0
 STRAGGLER_RATIO = 1.05  # a rank whose mean step is 5% above the median rank's
@@ -208,6 +215,19 @@ def _kernels(trace: TraceEvents, dev: bd.DeviceTime, top: int) -> tuple[dict[str
     return types, stats
 
 
+def _hidden_collectives(trace: TraceEvents, dev: bd.DeviceTime) -> str | None:
+    ids = trace.name_ids(HIDDEN_COLLECTIVE)
+    rows = np.isin(dev.name, ids) & (dev.types == bd.COMPUTATION)
+    if not rows.any():
+        return None
+    spent_ms = float((dev.end[rows] - dev.ts[rows]).sum()) / 1000
+    names = sorted({trace.names[i] for i in np.unique(dev.name[rows])})
+    return (
+        f"{int(rows.sum())} kernel(s) look like collectives outside NCCL ({spent_ms:.2f} ms, e.g. {names[0][:60]}): "
+        "HTA's definition counts them as computation, and so do these figures"
+    )
+
+
 def _host_rows(trace: TraceEvents, pattern: re.Pattern[str], win: bd.Window) -> np.ndarray:
     rows = np.isin(trace.cpu["name"], trace.name_ids(pattern))
     if win.dropped_step and win.steps:
@@ -307,6 +327,8 @@ def analyze_rank(trace: TraceEvents, job_step_names: int, top: int = 10) -> Rank
                     "non_compute_pct": wall.non_compute_pct,
                 }  # fmt: skip
         result.kernel_types, result.top_kernels = _kernels(trace, dev, top)
+        if note := _hidden_collectives(trace, dev):
+            result.notes.append(note)
     result.data_loading = _data_loading(trace, win, dev_for_data)
     result.phases_ms = _phases(trace, win)
     if span is None:
