@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,10 @@ _VALUED = {
     "--ceiling-batches",
     "--metrics-jsonl",
     "--sink",
+    "--py-spy",
+    "--trace",
+    "--trace-window",
+    "--nsys-window",
 }
 _SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
@@ -89,6 +94,13 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
                 JsonlSink(rank_file(target, 0))
         except (ValueError, ImportError, OSError) as error:
             raise UsageError(f"--sink {spec}: {error}") from None
+    if args.nsys_window:
+        from stepscope.instrument.profile import NsysWindow
+
+        try:
+            NsysWindow.parse(args.nsys_window)
+        except ValueError as error:
+            raise UsageError(f"--nsys-window: {error}") from None
     return RunConfig(
         out_dir="",
         warmup=args.warmup,
@@ -97,8 +109,31 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
         checkpoint_s=args.checkpoint_s,
         system_interval_s=_interval(args.sample_hz),
         sinks=specs,
+        profile=_profile_window(args),
+        nvtx=args.nvtx,
+        nsys_window=args.nsys_window,
         **extra,
     )
+
+
+def _trace_window(text: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(part) for part in text.split(":"))
+    except ValueError:
+        parts = ()
+    if len(parts) not in (3, 4) or min(parts) < 0 or parts[2] < 1:
+        raise argparse.ArgumentTypeError(f"expected WAIT:WARMUP:ACTIVE[:REPEAT] like 1:1:3, got {text!r}")
+    return parts if len(parts) == 4 else (*parts, 1)
+
+
+def _profile_window(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not args.trace:
+        return None
+    wait, warmup, active, repeat = args.trace_window
+    return {
+        "dir": str(Path(args.trace).resolve()), "wait": wait, "warmup": warmup, "active": active, "repeat": repeat,
+        "record_shapes": args.trace_shapes, "with_stack": args.trace_stack,
+    }  # fmt: skip
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -107,13 +142,53 @@ def _run(args: argparse.Namespace) -> int:
 
     target = _target(args.command, RUN_USAGE)
     config = _measure_config(args, stop=not args.no_stop)
-    code, summary = run(target, config)
+    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
     sys.stdout.flush()
     print_summary(summary)
     if args.json:
         summary.to_json(args.json)
         print(f"summary written to {args.json}")
     return code
+
+
+def _py_spy_out(path_text: str | None) -> Path | None:
+    """``--py-spy OUT.svg``, checked before the script starts: py-spy installed, on Linux, a folder to write to."""
+    if path_text is None:
+        return None
+    from stepscope.instrument.pyspy import PySpyError, find_pyspy
+
+    if not sys.platform.startswith("linux"):
+        raise UsageError(
+            "--py-spy records on Linux only; elsewhere run py-spy yourself: "
+            "sudo py-spy record -o OUT.svg --subprocesses -- python train.py"
+        )
+    try:
+        find_pyspy()
+    except PySpyError as error:
+        raise UsageError(f"--py-spy: {error}") from None
+    path = Path(path_text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--py-spy {path_text}: cannot create its folder ({error.strerror}).") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--py-spy {path_text}: its folder is not writable.")
+    return path
+
+
+def _dump(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from stepscope.instrument.pyspy import PySpyError, dump, format_report
+
+    try:
+        report = dump(args.pid, samples=args.samples, interval_s=args.interval_s)
+    except PySpyError as error:
+        raise UsageError(str(error)) from None
+    print(format_report(report))
+    if args.json:
+        _write_json(args.json, dataclasses.asdict(report), "dump")
+    return 1 if report.verdict == "hung" else 0
 
 
 def _write_json(path_text: str, data: Any, what: str) -> None:
@@ -165,7 +240,7 @@ def _doctor(args: argparse.Namespace) -> int:
         audit_continue=True,
         ceiling_batches=args.ceiling_batches or None,
     )
-    code, summary = run(target, config)
+    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
     summary.notes += notes
     examine(summary, lint)
     sys.stdout.flush()
@@ -292,6 +367,34 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
         help=f"host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off "
         f"(default {sample_hz:g})",
     )
+    verb.add_argument(
+        "--py-spy",
+        metavar="OUT.svg",
+        help="also record a py-spy flame graph of every process of the command (ranks, loader workers) into one SVG; "
+        "needs the py-spy package: pip install 'stepscope[pyspy]'",
+    )
+    verb.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="record torch.profiler traces of a few measured steps into DIR (one file per rank and window; "
+        "analyse them with `stepscope trace DIR`)",
+    )
+    verb.add_argument(
+        "--trace-window",
+        type=_trace_window,
+        default=(1, 1, 3, 1),
+        metavar="WAIT:WARMUP:ACTIVE[:REPEAT]",
+        help="the profiler's schedule in steps from the first measured step (default 1:1:3:1)",
+    )
+    verb.add_argument("--trace-shapes", action="store_true", help="record input shapes in the trace (larger)")
+    verb.add_argument("--trace-stack", action="store_true", help="record Python stacks in the trace (much larger)")
+    verb.add_argument("--nvtx", action="store_true", help="mark phases as NVTX ranges, for Nsight Systems (CUDA)")
+    verb.add_argument(
+        "--nsys-window",
+        metavar="START:STOP",
+        help="call cudaProfilerStart/Stop around steps START..STOP-1 (from 0, warm-up included), for "
+        "nsys profile --capture-range=cudaProfilerApi",
+    )
 
 
 def _rank_list(text: str) -> list[int]:
@@ -392,6 +495,18 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--top", type=_int_at_least(1), default=10, help="kernels listed per rank (default 10)")
     trace.add_argument("--jobs", type=_int_at_least(0), default=0, help="files read in parallel (0: one per core)")
     trace.set_defaults(func=_trace)
+
+    dump = commands.add_parser(
+        "dump",
+        help="print every thread's stack of a live run (py-spy) and say whether it looks hung or busy",
+        description="Samples the process and its descendants with py-spy dump. Exit code: 0 busy or idle, 1 looks "
+        "hung, 2 py-spy is missing or may not read the process.",
+    )
+    dump.add_argument("pid", type=int, help="the run's pid: stepscope's, the launcher's or one rank's")
+    dump.add_argument("--samples", type=_int_at_least(2), default=5, help="dumps to compare (default 5)")
+    dump.add_argument("--interval-s", type=float, default=0.5, help="seconds between two dumps (default 0.5)")
+    dump.add_argument("--json", metavar="PATH", help="write the threads, stacks and verdict here")
+    dump.set_defaults(func=_dump)
     return parser
 
 

@@ -368,6 +368,8 @@ def _losses(rank: RankTrace) -> dict[str, tuple[float, str]]:
 
 def rank_verdict(rank: RankTrace) -> Verdict:
     """The rank's bottleneck: the cause that costs the most GPU time, if any costs over 15%, else compute or unknown."""
+    if rank.cpu is not None:
+        return _cpu_verdict(rank, rank.cpu)
     losses = sorted(_losses(rank).items(), key=lambda item: -item[1][0])
     if losses and losses[0][1][0] >= LOSS_FLOOR_PCT:
         (bound, (loss, why)), rest = losses[0], losses[1:]
@@ -378,12 +380,21 @@ def rank_verdict(rank: RankTrace) -> Verdict:
         return Verdict("compute", "high" if rank.compute_pct >= 80 else "medium", [
             f"computation kernels run {rank.compute_pct:.0f}% of the kernel span; the GPU is the bottleneck"
         ])  # fmt: skip
-    if rank.cpu is not None:
-        return Verdict("unknown", "low", [
-            f"CPU-only trace: ATen ops take {rank.cpu.computation_pct:.0f}% of the main thread's time"
-        ])  # fmt: skip
     evidence = [w for _, (_, w) in losses] or ["no device activity to attribute"]
     return Verdict("unknown", "low", evidence)
+
+
+def _cpu_verdict(rank: RankTrace, cpu: CpuShare) -> Verdict:
+    """CPU-only traces: the loader's share of the step against the ATen ops' share of the main thread."""
+    ops = f"ATen ops take {cpu.computation_pct:.0f}% of the main thread's time (CPU-only trace)"
+    data = rank.data_loading
+    data_share = data.step_share_pct if data is not None and data.step_share_pct is not None else 0.0
+    if data is not None and data_share >= LOSS_FLOOR_PCT and data_share >= cpu.computation_pct:
+        why = f"DataLoader spans take {data.per_step_ms:.1f} ms per step ({data_share:.0f}% of the step)"
+        return Verdict("data", "high" if data_share >= 50 else "medium", [why, ops])
+    if cpu.computation_pct >= COMPUTE_BOUND_PCT:
+        return Verdict("compute", "medium", [ops])
+    return Verdict("unknown", "low", [ops])
 
 
 def _spread(ranks: list[RankTrace]) -> dict[str, dict[str, float]]:
