@@ -115,6 +115,9 @@ class HostOnly:
     def close_step(self, token: Any) -> None:
         return None
 
+    def discard_step(self) -> None:
+        return None
+
     def harvest(self) -> list[tuple[Any, dict[str, float]]]:
         return []
 
@@ -167,6 +170,11 @@ class DeviceTimer:
             _, intervals = self._pending.popleft()
             self._recycle(intervals)
             self.dropped_steps += 1
+
+    def discard_step(self) -> None:
+        """Forget the current step's events (a step left out of the statistics); they are reused."""
+        self._recycle(self._intervals)
+        self._intervals = []
 
     def _recycle(self, intervals: list[Interval]) -> None:
         for _, start, end in intervals:

@@ -145,6 +145,7 @@ class Recorder:
     exact_limit: int = 10_000
     fold_every: int = 256
     steps_seen: int = 0
+    profiled: int = 0  # steps recorded by torch.profiler, left out of the statistics
     step_stats: StreamingStats = field(init=False)
     phases: dict[str, PhaseTrack] = field(default_factory=dict)
     nested: set[str] = field(default_factory=set)
@@ -233,7 +234,9 @@ def phase_order(names: list[str]) -> list[str]:
 def summarize(recorder: Recorder, timing: str) -> RunSummary:
     """The statistics part of a RunSummary: steps, per-phase statistics, throughput (meta left default)."""
     recorder.fold()
-    summary = RunSummary(steps=Steps(warmup=min(recorder.warmup, recorder.steps_seen), measured=recorder.measured))
+    warmup = min(recorder.warmup, recorder.steps_seen)
+    steps = Steps(warmup=warmup, measured=recorder.measured, profiled=recorder.profiled)
+    summary = RunSummary(steps=steps)
     step = recorder.step_stats
     if step.count == 0:
         if recorder.steps_seen == 0:

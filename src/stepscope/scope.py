@@ -500,7 +500,11 @@ class Scope:
         self._current = {}
         self._claimed_ns = 0
         recorder = self._recorder
-        self._on_step(recorder.steps_seen + 1)
+        if self._on_step(recorder.steps_seen + 1):  # recorded by torch.profiler: its overhead is in the times
+            recorder.steps_seen += 1
+            recorder.profiled += 1
+            self._device.discard_step()
+            return
         if recorder.add(record):
             device = self._device
             device.close_step(record)
@@ -532,10 +536,10 @@ class Scope:
         profiler.start(self._recorder.steps_seen)
         nsys = self._nsys
 
-        def on_step(step: int) -> None:
-            profiler.step()
+        def on_step(step: int) -> bool:
             if nsys is not None:
                 nsys.at_step(step)
+            return profiler.step()
 
         self._on_step = on_step
 
@@ -590,8 +594,8 @@ def _no_log(step: int) -> None:
     return None
 
 
-def _no_step(step: int) -> None:
-    return None
+def _no_step(step: int) -> bool:
+    return False
 
 
 def _config_flag(config: Any, key: str) -> bool:

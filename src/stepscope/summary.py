@@ -30,6 +30,7 @@ class Steps:
 
     warmup: int = 0
     measured: int = 0
+    profiled: int = 0  # steps recorded by torch.profiler (a trace capture): left out of the statistics
     boundary: str | None = None  # what closed a step: "scope.step", "optimizer.step", "backward", ...
 
 

@@ -129,6 +129,7 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         steps=Steps(
             warmup=max(r.steps.warmup for r in ranks),
             measured=min(r.steps.measured for r in ranks),
+            profiled=max(r.steps.profiled for r in ranks),
             boundary=first.steps.boundary,
         ),
         phases=phases,

@@ -128,7 +128,7 @@ class Profiler:
 
     def __init__(self, window: ProfileWindow) -> None:
         import torch
-        from torch.profiler import ProfilerActivity, profile, schedule
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
         self.window = window
         self.files: list[Path] = []
@@ -145,6 +145,7 @@ class Profiler:
         )
         self._running = False
         self._first_step = 0
+        self._idle = ProfilerAction.NONE
 
     def start(self, first_step: int = 0) -> None:
         """Begin counting steps at training step ``first_step`` (nothing is recorded until the profiler's warm-up)."""
@@ -152,9 +153,12 @@ class Profiler:
         self._profile.start()
         self._running = True
 
-    def step(self) -> None:
-        """One training step ended."""
+    def step(self) -> bool:
+        """One training step ended; returns whether the profiler was recording it (its warm-up or active steps):
+        those steps carry the profiler's overhead and are left out of the step statistics."""
+        recorded = self._profile.current_action != self._idle
         self._profile.step()
+        return recorded
 
     def stop(self) -> None:
         """Stop; a window still recording is written."""
@@ -187,14 +191,15 @@ class NsysRange:
         self._cuda_profiler = torch.cuda.profiler
         self.started = False
 
-    def at_step(self, step: int) -> None:
-        """Called with the index of the step about to begin."""
+    def at_step(self, step: int) -> bool:
+        """Called with the index of the step about to begin; returns False (the step is measured as usual)."""
         if step == self.window.start:
             self._cuda_profiler.start()
             self.started = True
         elif step == self.window.stop and self.started:
             self._cuda_profiler.stop()
             self.started = False
+        return False
 
     def stop(self) -> None:
         """End the capture if the run ends inside the window."""

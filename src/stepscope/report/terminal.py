@@ -82,7 +82,8 @@ def throughput_line(summary: RunSummary) -> str:
         mfu = f" = MFU {100 * t.mfu:.1f}% of {t.mfu_peak}" if t.mfu is not None else ""
         parts.append(f"{achieved} model{mfu}")
     rate = ", ".join(parts) or "no rate"
-    return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup})"
+    profiled = f", {summary.steps.profiled} profiled left out" if summary.steps.profiled else ""
+    return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup}{profiled})"
 
 
 def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
