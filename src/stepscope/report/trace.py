@@ -88,8 +88,8 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
                 console.print(f"rank {r.rank}: {escape(note)}")
         for s in (s for s in analysis.stragglers if s["job"] == job):
             console.print(
-                f"straggler: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['slower_pct']:.0f}% over the median "
-                f"rank ({s['median_step_ms']:.2f} ms); {escape(s['why'])}"
+                f"straggler: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['slower_pct']:.0f}% over the other "
+                f"ranks' median ({s['median_step_ms']:.2f} ms); {escape(s['why'])}"
             )
         verdict = ranks[0].verdict if len(ranks) == 1 else job_verdict(ranks)
         console.print(escape(f"bound: {verdict.bound} [confidence {verdict.confidence}]"))

@@ -35,7 +35,7 @@ HIDDEN_COLLECTIVE = re.compile(
 )  # the record_function ranges stepscope's capture writes
 LOSS_FLOOR_PCT = 15.0  # a cause must cost at least this share of the GPU's time to be named the bottleneck
 COMPUTE_BOUND_PCT = 60.0
-STRAGGLER_RATIO = 1.05  # a rank whose mean step is 5% above the median rank's
+STRAGGLER_RATIO = 1.05  # a rank whose mean step is 5% above the median of the other ranks' steps
 
 DEFINITIONS = {
     "window": "HTA's: the last ProfilerStep is dropped (device events count when their launch is before it); "
@@ -198,9 +198,8 @@ def _kernels(trace: TraceEvents, dev: bd.DeviceTime, top: int) -> tuple[dict[str
     by_name = np.bincount(dev.name, weights=dur, minlength=len(trace.names))
     counts = np.bincount(dev.name, minlength=len(trace.names))
     stats = []
-    for i in np.argsort(-by_name, kind="stable")[:top]:
-        if counts[i] == 0:
-            break
+    present = np.flatnonzero(counts)
+    for i in present[np.argsort(-by_name[present], kind="stable")][:top]:
         name = trace.names[i]
         stats.append(
             KernelStat(
@@ -413,8 +412,9 @@ def _stragglers(ranks: list[RankTrace]) -> list[dict[str, Any]]:
     timed = [r for r in ranks if r.step_ms]
     if len(timed) < 2:
         return []
-    median = statistics.median(r.step_ms for r in timed)
     slow = max(timed, key=lambda r: r.step_ms)
+    others = [r for r in timed if r is not slow]
+    median = statistics.median(r.step_ms for r in others)
     if slow.step_ms < STRAGGLER_RATIO * median:
         return []
 
@@ -427,12 +427,13 @@ def _stragglers(ranks: list[RankTrace]) -> list[dict[str, Any]]:
         "non-compute kernels": lambda r: per_step_ms(r, r.non_compute_pct),
         "data loading": lambda r: r.data_loading.per_step_ms if r.data_loading else 0.0,
     }
-    excess = {name: f(slow) - statistics.median(f(r) for r in timed) for name, f in parts.items()}
+    excess = {name: f(slow) - statistics.median(f(r) for r in others) for name, f in parts.items()}
     why, extra = max(excess.items(), key=lambda item: item[1])
+    reason = f"{why}: {extra:+.2f} ms per step over the other ranks' median" if extra > 0 else "no single cause"
     return [{
         "rank": slow.rank, "step_ms": slow.step_ms, "median_step_ms": median,
         "slower_pct": 100 * (slow.step_ms / median - 1),
-        "why": f"{why}: {extra:+.2f} ms per step over the median rank" if extra > 0 else "no single figure explains it",
+        "why": reason,
     }]  # fmt: skip
 
 

@@ -107,6 +107,8 @@ class _Collector:
         device, runtime, cpu = self.device.data, self.runtime.data, self.cpu.data
         annotations = self.gpu_annotations.data
         for event in batch:
+            if type(event) is not dict:
+                continue
             ts = event.get("ts")
             if type(ts) is not int:
                 self.fractional = True

@@ -54,14 +54,17 @@ def _chunks(handle: BinaryIO, compressed: bool) -> Iterator[bytes]:
     fed = False  # whether the current member has begun: a stream may end only between members
     while raw := handle.read(CHUNK_BYTES // 4):
         while raw:
+            if not fed:  # between members gzip skips zero padding, however long
+                raw = raw.lstrip(b"\x00")
+                if not raw:
+                    break
             fed = True
             out = inflate.decompress(raw, CHUNK_BYTES)
-            raw = inflate.unconsumed_tail
-            if inflate.eof:
-                raw = inflate.unused_data + raw
+            if inflate.eof:  # what follows the member is all in unused_data (unconsumed_tail may repeat it)
+                raw = inflate.unused_data
                 inflate, fed = zlib.decompressobj(wbits=31), False
-                if not raw.strip(b"\x00"):  # gzip tolerates zero padding after the last member
-                    raw = b""
+            else:
+                raw = inflate.unconsumed_tail
             if out:
                 yield out
     if fed and not inflate.eof:
@@ -196,4 +199,6 @@ def _refuse(head: bytes) -> None:
         raise TraceReadError("this looks like a memory timeline (export_memory_timeline), not a Kineto trace")
     if not text.startswith((b"{", b"[")):
         raise TraceReadError("the file is not JSON")
+    if not head.rstrip().endswith((b"}", b"]")):
+        raise TraceReadError("the file ends before its traceEvents array (truncated)")
     raise TraceReadError("the JSON has no traceEvents array: not a Kineto trace")
