@@ -428,7 +428,9 @@ class Scope:
                 throughput.mfu = throughput.tflops / self.peak_tflops
         recorder = self._recorder
         try:
-            summary.system = self._collectors.peek(steps=recorder.measured, samples=recorder.samples or None)
+            summary.system = self._collectors.peek(
+                steps=recorder.measured + recorder.profiled, samples=recorder.samples or None
+            )
         except Exception as error:
             summary.notes.append(f"the system figures could not be read ({type(error).__name__}: {error})")
         if self._device.dropped_steps:
@@ -467,7 +469,8 @@ class Scope:
                     self._fail(error)
         collectors, self._collectors = self._collectors, NO_COLLECTORS
         try:
-            final = collectors.stop(steps=self._recorder.measured, samples=self._recorder.samples or None)
+            recorder = self._recorder  # the sampler ran through the profiled steps as well
+            final = collectors.stop(steps=recorder.measured + recorder.profiled, samples=recorder.samples or None)
         except Exception as error:
             self._fail(error)
             return
@@ -504,6 +507,7 @@ class Scope:
             recorder.steps_seen += 1
             recorder.profiled += 1
             self._device.discard_step()
+            self._step_start_ns = self._clock()  # the profiler's step() (a trace export) is not the next step's time
             return
         if recorder.add(record):
             device = self._device

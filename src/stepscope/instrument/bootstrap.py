@@ -94,9 +94,14 @@ def _start(config: Any) -> None:
                 nvtx=config.nvtx,
                 nsys_window=config.nsys_window,
             )
-        except ValueError as error:  # e.g. NVTX without CUDA: measure without the capture rather than not at all
-            _warn("could not set up the trace capture", error, then="measuring without it")
-            scope = enabled_scope(**options)
+        except ValueError as error:  # e.g. NVTX without CUDA: keep what can run rather than lose the measurement
+            profile = ProfileWindow(**config.profile) if config.profile else None
+            _warn(
+                "could not set up the trace capture",
+                error,
+                then="measuring without " + ("NVTX and the Nsight window" if profile else "it"),
+            )
+            scope = enabled_scope(**options, profile=profile)
         tracker = Tracker(scope, config)
         install(tracker)
     except Exception as error:

@@ -170,8 +170,11 @@ class Profiler:
         directory = Path(self.window.dir)
         directory.mkdir(parents=True, exist_ok=True)
         # on_trace_ready runs at the step() that ends the active window; name the file by training step
-        last = self._first_step + prof.step_num - 1
-        first = last - self.window.active + 1
+        w = self.window
+        cycle = w.wait + w.warmup + w.active
+        done = prof.step_num - 1  # the last profiler step that ended
+        first = self._first_step + done // cycle * cycle + w.wait + w.warmup
+        last = max(self._first_step + done, first)
         path = directory / f"rank{process_rank()}.step{first}-{last}.pt.trace.json.gz"
         prof.export_chrome_trace(str(path))
         self.files.append(path)

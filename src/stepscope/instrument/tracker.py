@@ -371,9 +371,13 @@ class Tracker:
         warming_up = not scope._recorder.measuring
         if warming_up:
             self._seen_at_measure = dict(self.seen)  # a warm-up step: measured counts start after it
-        self._seen_closed = dict(self.seen)
+        closed_before, self._seen_closed = self._seen_closed, dict(self.seen)
         samples = self._step_samples or self.config.batch_size
+        profiled = scope._recorder.profiled
         scope.step(batch_size=samples or None)
+        if scope._recorder.profiled != profiled:  # a step recorded by torch.profiler: left out of the counts too
+            for name in COUNTERS:
+                self._seen_at_measure[name] += self._seen_closed[name] - closed_before[name]
         if self._flops_state != "off":
             self._count_flops()
         if warming_up and scope._recorder.measuring:
