@@ -167,6 +167,8 @@ def _py_spy_out(path_text: str | None) -> Path | None:
     except PySpyError as error:
         raise UsageError(f"--py-spy: {error}") from None
     path = Path(path_text)
+    if path.is_dir():
+        raise UsageError(f"--py-spy {path_text} is a folder: give a file name, e.g. {path / 'flame.svg'}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:

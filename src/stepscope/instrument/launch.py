@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from stepscope.doctor.verdict import classify
 from stepscope.instrument.bootstrap import ENV_CONFIG
 from stepscope.instrument.merge import merge
+from stepscope.instrument.pyspy import RecordedProcess
 from stepscope.instrument.tracker import RunConfig
 from stepscope.summary import Exit, RunSummary, SummaryError
 
@@ -74,7 +76,7 @@ def _child_env(config: RunConfig) -> dict[str, str]:
     return env
 
 
-def _wait(process: subprocess.Popen[bytes]) -> int:
+def _wait(process: subprocess.Popen[bytes] | RecordedProcess) -> int:
     """Wait for the command, and live to report. A SIGTERM sent to stepscope is passed on to the command. At a
     terminal, Ctrl-C reaches the command directly (same process group), so stepscope ignores its own copy;
     without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too."""
@@ -103,17 +105,31 @@ def _read_ranks(out_dir: Path) -> tuple[list[RunSummary], list[str]]:
     return summaries, notes
 
 
-def run(target: Target, config: RunConfig) -> tuple[int, RunSummary]:
-    """Run the target instrumented; returns its exit code and the (merged) summary."""
+def _rank_pids(out_dir: Path) -> dict[int, int]:
+    """pid -> rank of the processes that wrote a summary (bootstrap names their files rank{R}-pid{P}.json)."""
+    found = (re.fullmatch(r"rank(\d+)-pid(\d+)", path.stem) for path in out_dir.glob("rank*-pid*.json"))
+    return {int(match[2]): int(match[1]) for match in found if match}
+
+
+def run(target: Target, config: RunConfig, py_spy: Path | None = None) -> tuple[int, RunSummary]:
+    """Run the target instrumented; returns its exit code and the (merged) summary. With ``py_spy``, py-spy
+    records a flame graph of the whole command there (see pyspy.py); it never changes the run."""
     out_dir = Path(tempfile.mkdtemp(prefix="stepscope-run-"))
     config = dataclasses.replace(config, out_dir=str(out_dir), launcher=target.launcher, parent_pid=os.getpid())
     try:
+        env = _child_env(config)
         try:
-            process = subprocess.Popen(target.argv, env=_child_env(config))
+            process: subprocess.Popen[bytes] | RecordedProcess
+            if py_spy is None:
+                process = subprocess.Popen(target.argv, env=env)
+            else:
+                process = RecordedProcess(target.argv, env, py_spy)
         except OSError as error:
             raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
         code = _wait(process)
         summaries, notes = _read_ranks(out_dir)
+        if isinstance(process, RecordedProcess):
+            print(process.finish(_rank_pids(out_dir) if target.launcher else {}), file=sys.stderr)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     if summaries:
