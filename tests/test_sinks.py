@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import logging
 import os
+import time
 
 import orjson
 import pytest
@@ -192,3 +193,50 @@ def test_example_config_switch(tmp_path, override, lines_expected):
         assert "perf metrics: off" in done.stdout and not metrics.exists()
     else:
         assert len(lines(metrics)) == lines_expected  # 60 steps, 5 of warm-up
+
+
+class _SlowSink:
+    """A sink whose every write takes 0.2 s, like a far or overloaded tracking server."""
+
+    background = True
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed = False
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        time.sleep(0.2)
+        self.steps.append(step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_slow_server_sink_does_not_stall_the_step_and_keeps_every_step():
+    slow = _SlowSink()
+    sinks = SinkSet([slow])
+    start = time.perf_counter()
+    for step in range(5):
+        sinks.write(step, {"perf/step_time": 0.1})
+    queued_s = time.perf_counter() - start
+    assert queued_s < 0.1, f"writing 5 steps to a 0.2 s/write sink took {queued_s:.3f} s in the training thread"
+    sinks.close()  # waits for the queue to drain
+    assert slow.steps == [0, 1, 2, 3, 4] and slow.closed
+
+
+class _BrokenServerSink(_SlowSink):
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if step >= 2:
+            raise ConnectionError("server gone")
+        self.steps.append(step)
+
+
+def test_a_background_sink_that_fails_is_dropped_with_its_own_name(caplog):
+    broken = _BrokenServerSink()
+    sinks = SinkSet([broken])
+    for step in range(4):
+        sinks.write(step, {"perf/step_time": 0.1})
+        time.sleep(0.05)  # let the writer thread meet the error
+    assert not sinks, "the failing sink is dropped"
+    assert sinks.dropped == ["_BrokenServerSink: ConnectionError: server gone"]
+    assert broken.steps == [0, 1]

@@ -46,6 +46,8 @@ class MLflowSink:
     Logs into ``run_id`` when given, else into the active ``mlflow`` run, else into a new run of ``experiment``
     (created when missing), which ``close()`` ends; a run stepscope did not start is left open."""
 
+    background = True  # a remote server may be slow or gone: written from its own thread (`Background`)
+
     def __init__(
         self,
         tracking_uri: str | None = None,
