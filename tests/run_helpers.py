@@ -105,6 +105,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(nproc: int = 2) -> list[str]:
+    """The command prefix of a one-machine torchrun with ``nproc`` processes on a free local port."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    ]  # fmt: skip
+
+
 def line_starting(text: str, word: str) -> str | None:
     """The first line whose first whitespace-separated field is ``word`` (None when there is none)."""
     for line in text.splitlines():

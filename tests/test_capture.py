@@ -14,14 +14,13 @@ import gzip
 import io
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from run_helpers import free_port, run_env, script, stepscope_cmd, stepscope_run
+from run_helpers import run_env, script, stepscope_cmd, stepscope_run, torchrun
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -450,17 +449,7 @@ def test_doctor_takes_the_trace_options_too(tmp_path):
 def test_torchrun_ranks_write_their_own_traces(tmp_path):
     traces = tmp_path / "traces"
     launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
+        *torchrun(),
         script("ddp.py"),
         "--sample-ms",
         "0.1",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from run_helpers import REPO, SCRIPTS, free_port, run_env, script, stepscope_cmd, stepscope_run
+from run_helpers import REPO, SCRIPTS, free_port, run_env, script, stepscope_cmd, stepscope_run, torchrun
 
 from stepscope.instrument.pyspy import (
     PtraceFacts,
@@ -263,17 +263,7 @@ def test_run_records_a_flame_graph_and_keeps_the_exit_code(tmp_path):
 def test_torchrun_ranks_are_named_in_one_graph(tmp_path):
     svg = tmp_path / "ddp.svg"
     launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
+        *torchrun(),
         script("ddp.py"),
     ]
     r = stepscope_run(tmp_path, "--py-spy", str(svg), "--", *launcher, warmup=2, steps=5, timeout=180)

@@ -16,12 +16,12 @@ import torch
 from run_helpers import (
     SCRIPTS,
     check_consistent,
-    free_port,
     line_starting,
     run_env,
     script,
     stepscope_cmd,
     stepscope_run,
+    torchrun,
 )
 
 from stepscope.summary import RunSummary
@@ -513,17 +513,7 @@ def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
 
 def test_torchrun_two_ranks_with_a_straggler(tmp_path):
     launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
+        *torchrun(),
         script("ddp.py"),
         "--sample-ms",
         "0.5",

@@ -167,34 +167,29 @@ class _CudaPhase(_HostPhase):
         return super().__exit__(*exc)
 
 
-class _MarkedHostPhase(_HostPhase):
-    """A host phase that is also a named profiler/NVTX range (only while capturing: ranges cost a little)."""
+class _Marked:
+    """Makes a phase also a named profiler/NVTX range (only while capturing: ranges cost a little)."""
 
     __slots__ = ()
+    _scope: Scope
+    _name: str
 
     def __enter__(self) -> None:
         self._scope._ranges.push(self._name)
-        super().__enter__()
+        super().__enter__()  # type: ignore[misc]
 
     def __exit__(self, *exc: object) -> bool:
-        result = super().__exit__(*exc)
+        result = super().__exit__(*exc)  # type: ignore[misc]
         self._scope._ranges.pop()
         return result
 
 
-class _MarkedCudaPhase(_CudaPhase):
-    """A CUDA-timed phase that is also a named profiler/NVTX range."""
-
+class _MarkedHostPhase(_Marked, _HostPhase):
     __slots__ = ()
 
-    def __enter__(self) -> None:
-        self._scope._ranges.push(self._name)
-        super().__enter__()
 
-    def __exit__(self, *exc: object) -> bool:
-        result = super().__exit__(*exc)
-        self._scope._ranges.pop()
-        return result
+class _MarkedCudaPhase(_Marked, _CudaPhase):
+    __slots__ = ()
 
 
 class _TimedIterable:
