@@ -514,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for bad input)."""
-    from stepscope.instrument.launch import LaunchError
+    from stepscope.instrument import LaunchError
 
     argv = sys.argv[1:] if argv is None else argv
     command: list[str] = []

@@ -22,15 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stepscope.doctor.verdict import classify
+from stepscope.instrument import LaunchError
 from stepscope.instrument.bootstrap import ENV_CONFIG
 from stepscope.instrument.merge import merge
 from stepscope.instrument.pyspy import RecordedProcess
 from stepscope.instrument.tracker import RunConfig
 from stepscope.summary import Exit, RunSummary, SummaryError
-
-
-class LaunchError(Exception):
-    """The command could not be started (missing script, unknown launcher)."""
 
 
 @dataclass

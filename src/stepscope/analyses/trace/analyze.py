@@ -215,8 +215,7 @@ def _kernels(trace: TraceEvents, dev: bd.DeviceTime, top: int) -> tuple[dict[str
 
 
 def _hidden_collectives(trace: TraceEvents, dev: bd.DeviceTime) -> str | None:
-    ids = trace.name_ids(HIDDEN_COLLECTIVE)
-    rows = np.isin(dev.name, ids) & (dev.types == bd.COMPUTATION)
+    rows = trace.named(dev.name, HIDDEN_COLLECTIVE) & (dev.types == bd.COMPUTATION)
     if not rows.any():
         return None
     spent_ms = float((dev.end[rows] - dev.ts[rows]).sum()) / 1000
@@ -228,7 +227,7 @@ def _hidden_collectives(trace: TraceEvents, dev: bd.DeviceTime) -> str | None:
 
 
 def _host_rows(trace: TraceEvents, pattern: re.Pattern[str], win: bd.Window) -> np.ndarray:
-    rows = np.isin(trace.cpu["name"], trace.name_ids(pattern))
+    rows = trace.named(trace.cpu["name"], pattern)
     if win.dropped_step and win.steps:
         rows &= trace.cpu["ts"] < win.steps[-1][1]
     return rows
@@ -266,7 +265,7 @@ def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
     ops = cpu["kind"] == 0
     if not ops.any():
         return None
-    step_rows = np.isin(cpu["name"], trace.name_ids(re.compile("ProfilerStep")))
+    step_rows = trace.named(cpu["name"], re.compile("ProfilerStep"))
     if step_rows.any():
         thread = int(Counter(cpu["tid"][step_rows].tolist()).most_common(1)[0][0])
     else:
@@ -281,7 +280,7 @@ def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
         lo, hi = float(cpu["ts"][on_thread].min()), float(cpu["end"][on_thread].max())
     if hi <= lo:
         return None
-    aten = ops & (cpu["tid"] == thread) & np.isin(cpu["name"], trace.name_ids(re.compile(r"^aten::")))
+    aten = ops & (cpu["tid"] == thread) & trace.named(cpu["name"], re.compile(r"^aten::"))
     computing = bd.length(bd.clip(bd.merge(cpu["ts"][aten], cpu["end"][aten]), lo, hi))
     share = 100 * computing / (hi - lo)
     return CpuShare(thread, (hi - lo) / 1000, share, 100 - share)

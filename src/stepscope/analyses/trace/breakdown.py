@@ -31,6 +31,7 @@ _COMM = re.compile(r"^nccl.*Kernel")
 _MEMORY = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 _NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
 _PROFILER_STEP = re.compile(r"ProfilerStep")
+_SYNC = re.compile("^(" + "|".join(map(re.escape, sorted(SYNC_NAMES))) + ")$")
 KERNEL_WAIT_US = 30  # HTA's consecutive_kernel_delay: gaps shorter than this are launch latency
 IDLE_KINDS = [DEVICE_KINDS[k] for k in ("kernel", "gpu_memcpy", "gpu_memset", "mtia_ccp_events")]  # not syncs
 
@@ -42,6 +43,16 @@ def kernel_type(name: str) -> int:
     if _MEMORY.match(name):
         return MEMORY
     return OTHER if _NOT_COMPUTE.match(name) else COMPUTATION
+
+
+def member(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Which ``values`` occur in ``table``, by sorting and binary search (np.isin is several times slower on
+    millions of correlation ids)."""
+    table = np.sort(table)
+    if len(table) == 0:
+        return np.zeros(len(values), dtype=bool)
+    at = np.minimum(np.searchsorted(table, values), len(table) - 1)
+    return table[at] == values
 
 
 def merge(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,8 +97,7 @@ class Window:
 
 def profiler_steps(trace: TraceEvents) -> tuple[np.ndarray, np.ndarray, set[str]]:
     """Starts and ends (µs, sorted) of the trace's ProfilerStep ranges, and their distinct names."""
-    ids = trace.name_ids(_PROFILER_STEP)
-    rows = np.isin(trace.cpu["name"], ids)
+    rows = trace.named(trace.cpu["name"], _PROFILER_STEP)
     order = np.argsort(trace.cpu["ts"][rows], kind="stable")
     names = {trace.names[i] for i in np.unique(trace.cpu["name"][rows])}
     return trace.cpu["ts"][rows][order], trace.cpu["end"][rows][order], names
@@ -106,16 +116,15 @@ def window(trace: TraceEvents, job_step_names: int) -> Window:
         return everything
     # HTA cuts at the last ProfilerStep of any host-side row, and GPU annotations have no stream: they count too
     annotations = trace.gpu_annotations
-    on_gpu = annotations["ts"][np.isin(annotations["name"], trace.name_ids(_PROFILER_STEP))]
+    on_gpu = annotations["ts"][trace.named(annotations["name"], _PROFILER_STEP)]
     last_start = max(float(starts[-1]), float(on_gpu.max())) if len(on_gpu) else float(starts[-1])
     runtime = trace.runtime["ts"] < last_start
-    kept = np.unique(trace.runtime["correlation"][runtime])
+    kept = trace.runtime["correlation"][runtime]
     if (trace.cpu["ts"] < last_start).any():  # host events without a correlation match device events without one
-        kept = np.union1d(kept, [-1])
+        kept = np.append(kept, -1)
     device = trace.device
-    sync_ids = [i for i, name in enumerate(trace.names) if name in SYNC_NAMES]
-    launched = ((device["stream"] >= 0) & (device["correlation"] >= 0)) | np.isin(device["name"], sync_ids)
-    keep = np.where(launched, np.isin(device["correlation"], kept), device["ts"] < last_start)
+    launched = ((device["stream"] >= 0) & (device["correlation"] >= 0)) | trace.named(device["name"], _SYNC)
+    keep = np.where(launched, member(device["correlation"], kept), device["ts"] < last_start)
     steps = [(s, e) for s, e in everything.steps if s < last_start]
     return Window(keep, runtime, steps, True)
 

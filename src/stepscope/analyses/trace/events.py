@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
+import orjson
 
-from stepscope.analyses.trace.stream import TraceFile, iter_events
+from stepscope.analyses.trace.stream import TraceFile, iter_decoded
 
 # Device events are the ones Kineto gives a stream: kernels, memory copies and sets, and waits on the GPU.
 DEVICE_KINDS = {"kernel": 0, "gpu_memcpy": 1, "memcpy": 1, "gpu_memset": 2, "memset": 2, "cuda_sync": 3}
@@ -74,8 +76,14 @@ class TraceEvents:
     rounded: bool  # sub-µs timestamps were rounded
 
     def name_ids(self, pattern: re.Pattern[str]) -> np.ndarray:
-        """Indices of the interned names that match ``pattern`` (for vectorised selection by name)."""
+        """Indices of the interned names that match ``pattern``."""
         return np.asarray([i for i, name in enumerate(self.names) if pattern.search(name)], dtype=np.int32)
+
+    def named(self, column: np.ndarray, pattern: re.Pattern[str]) -> np.ndarray:
+        """Which rows of a name column match ``pattern`` (a lookup per row, not a set search)."""
+        matches = np.zeros(len(self.names), dtype=bool)
+        matches[self.name_ids(pattern)] = True
+        return matches[column]
 
 
 def _int(value: Any, default: int = -1) -> int:
@@ -103,26 +111,30 @@ class _Collector:
             self.names.append(text)
         return found
 
-    def add(self, batch: list[dict[str, Any]]) -> None:
+    def add(self, batch: list[Event]) -> None:
         device, runtime, cpu = self.device.data, self.runtime.data, self.cpu.data
         annotations = self.gpu_annotations.data
+        name_of = self.name
         for event in batch:
-            if type(event) is not dict:
-                continue
-            ts = event.get("ts")
+            ts = event.ts
             if type(ts) is not int:
                 self.fractional = True
-            if event.get("ph") != "X":
+            if event.ph != "X":
                 continue
-            cat = event.get("cat")
-            dur = event.get("dur")
-            if not isinstance(cat, str) or dur is None or cat == "Trace" or ts is None:
+            cat = event.cat
+            dur = event.dur
+            if type(cat) is not str or dur is None or ts is None or cat == "Trace":
                 continue
-            args = event.get("args")
-            args = args if isinstance(args, dict) else {}
-            name = str(event.get("name", ""))
-            stream = _int(args.get("stream"))
-            correlation = _int(args.get("correlation"))
+            args = event.args
+            if args is None:
+                stream = correlation = -1
+            else:
+                stream, correlation = args.stream, args.correlation
+                if type(stream) is not int:
+                    stream = _int(stream)
+                if type(correlation) is not int:
+                    correlation = _int(correlation)
+            name = event.name if type(event.name) is str else str(event.name)
             lowered = cat.lower()
             try:
                 ts, dur = float(ts), float(dur)
@@ -131,29 +143,68 @@ class _Collector:
             if lowered == "gpu_user_annotation":
                 annotations["ts"].append(ts)
                 annotations["dur"].append(dur)
-                annotations["stream"].append(_int(event.get("tid")))
-                annotations["name"].append(self.name(name))
+                annotations["stream"].append(tid if type(tid := event.tid) is int else _int(tid))
+                annotations["name"].append(name_of(name))
             elif stream != -1 or name in SYNC_NAMES:
                 self.categories.add(lowered)
                 device["ts"].append(ts)
                 device["dur"].append(dur)
                 device["stream"].append(stream)
-                device["name"].append(self.name(name))
+                device["name"].append(name_of(name))
                 device["kind"].append(DEVICE_KINDS.get(lowered, OTHER_DEVICE_KIND))
                 device["correlation"].append(correlation)
             elif correlation != -1:
                 self.categories.add(lowered)
                 runtime["ts"].append(ts)
                 runtime["dur"].append(dur)
-                runtime["tid"].append(_int(event.get("tid")))
-                runtime["name"].append(self.name(name))
+                runtime["tid"].append(tid if type(tid := event.tid) is int else _int(tid))
+                runtime["name"].append(name_of(name))
                 runtime["correlation"].append(correlation)
             elif lowered in CPU_KINDS:
                 cpu["ts"].append(ts)
                 cpu["dur"].append(dur)
-                cpu["tid"].append(_int(event.get("tid")))
-                cpu["name"].append(self.name(name))
+                cpu["tid"].append(tid if type(tid := event.tid) is int else _int(tid))
+                cpu["name"].append(name_of(name))
                 cpu["kind"].append(CPU_KINDS[lowered])
+
+
+class Args(msgspec.Struct):
+    """The two ``args`` an analysis needs; msgspec skips the others without building them."""
+
+    stream: Any = None
+    correlation: Any = None
+
+
+class Event(msgspec.Struct):
+    """The fields of a trace event an analysis needs (decoded straight from JSON, ~3x faster than dicts)."""
+
+    ph: Any = None
+    cat: Any = None
+    name: Any = ""
+    ts: Any = None
+    dur: Any = None
+    tid: Any = None
+    args: Args | None = None
+
+
+_DECODER = msgspec.json.Decoder(list[Event])
+
+
+def decode_events(run: bytes) -> list[Event]:
+    """A JSON array of events → `Event`s. Items that do not fit (not objects, ``args`` not an object) send the
+    array through the generic decoder instead, keeping what can be read; malformed JSON raises ValueError."""
+    try:
+        return _DECODER.decode(run)
+    except msgspec.ValidationError:
+        return [_from_dict(item) for item in orjson.loads(run) if type(item) is dict]
+
+
+def _from_dict(item: dict[str, Any]) -> Event:
+    args = item.get("args")
+    return Event(
+        item.get("ph"), item.get("cat"), item.get("name", ""), item.get("ts"), item.get("dur"), item.get("tid"),
+        Args(args.get("stream"), args.get("correlation")) if isinstance(args, dict) else None,
+    )  # fmt: skip
 
 
 def rank_of(path: Path, meta: dict[str, Any]) -> tuple[int, str]:
@@ -193,7 +244,7 @@ def read_trace(path: str | Path) -> TraceEvents:
     enabled = gc.isenabled()
     gc.disable()  # millions of short-lived dicts: the cyclic collector would triple the parse time, and finds nothing
     try:
-        for batch in iter_events(path, trace):
+        for batch in iter_decoded(path, decode_events, trace):
             collector.add(batch)
             del batch
     finally:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -131,11 +131,23 @@ def _split_events(buf: bytes) -> tuple[int, int, int]:
     return last, len(ends), end_at
 
 
+Decode = Callable[[bytes], list[Any]]
+
+
 def iter_events(path: str | Path, trace: TraceFile | None = None) -> Iterator[list[dict[str, Any]]]:
     """Yield the events of a Kineto trace (``.json`` or ``.json.gz``) as lists of dicts, a chunk at a time.
 
     ``trace`` (if given) receives the metadata once the file has been read to its end. Raises `TraceReadError` for
     a file that is not JSON, not a Kineto trace, or truncated; OSError for a file that cannot be opened.
+    """
+    return iter_decoded(path, orjson.loads, trace)
+
+
+def iter_decoded(path: str | Path, decode: Decode, trace: TraceFile | None = None) -> Iterator[list[Any]]:
+    """Like `iter_events`, with ``decode`` turning each JSON array of complete events into a list.
+
+    ``decode`` must raise ValueError (orjson's and msgspec's errors are ValueErrors) on bytes that are not a valid
+    array: a cut point found the cheap way is checked by decoding it, and found again the exact way when it fails.
     """
     path = Path(path)
     trace = trace if trace is not None else TraceFile(path)
@@ -143,10 +155,12 @@ def iter_events(path: str | Path, trace: TraceFile | None = None) -> Iterator[li
         compressed = handle.read(2) == GZIP_MAGIC
         handle.seek(0)
         try:
-            yield from _parse(_chunks(handle, compressed), trace)
+            yield from _parse(_chunks(handle, compressed), trace, decode)
         except (zlib.error, EOFError) as error:
             raise TraceReadError(f"the gzip data is corrupt ({error})") from None
-        except orjson.JSONDecodeError as error:
+        except ValueError as error:
+            if isinstance(error, TraceReadError):
+                raise
             raise TraceReadError(f"the JSON is malformed ({error})") from None
 
 
@@ -156,7 +170,14 @@ def _counted(chunks: Iterator[bytes], trace: TraceFile) -> Iterator[bytes]:
         yield chunk
 
 
-def _parse(raw_chunks: Iterator[bytes], trace: TraceFile) -> Iterator[list[dict[str, Any]]]:
+def _decode_run(pending: bytes, end: int, decode: Decode) -> list[Any]:
+    start = 0
+    while start < end and pending[start] in b", \t\r\n":  # the comma left by the previous cut
+        start += 1
+    return decode(b"[" + pending[start:end] + b"]")
+
+
+def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Iterator[list[Any]]:
     chunks = _counted(raw_chunks, trace)
     header = b""
     start = -1
@@ -171,12 +192,28 @@ def _parse(raw_chunks: Iterator[bytes], trace: TraceFile) -> Iterator[list[dict[
         _refuse(header)
     pending, header = header[start:], header[: start - 1]
     trailer = None
-    for chunk in itertools.chain([b""], chunks):
-        pending += chunk
+    for chunk in itertools.chain([b""], chunks, [None]):  # None: the file has ended, cut exactly what is left
+        if chunk is not None:
+            pending += chunk
+            # Cheap cut: Kineto ends each event with "}," (its args, the last key, close with "}" and a newline);
+            # a cut there that decodes is a real boundary, since a prefix of the array is valid JSON only between
+            # events. The exact scan runs when that fails, and once the file has ended.
+            cheap = pending.rfind(b"},") + 1
+            if cheap > 0:
+                try:
+                    events = _decode_run(pending, cheap, decode)
+                except ValueError:
+                    events = None
+                if events is not None:
+                    trace.events += len(events)
+                    yield events
+                    pending = pending[cheap:]
+                    continue
         last, count, end_at = _split_events(pending)
         if count:
-            trace.events += count
-            yield orjson.loads(b"[" + pending[:last].lstrip(b", \t\r\n") + b"]")
+            events = _decode_run(pending, last, decode)
+            trace.events += len(events)
+            yield events
         if end_at >= 0:
             trailer = pending[end_at + 1 :]
             break
