@@ -28,6 +28,7 @@ DEVICE_KINDS["mtia_ccp_events"] = 4  # MTIA's device activity
 OTHER_DEVICE_KIND = 5
 SYNC_NAMES = {"Event Sync", "Context Sync"}  # device-level syncs, written on stream -1
 CPU_KINDS = {"cpu_op": 0, "user_annotation": 1, "operator": 0}
+HOST_KEPT = {*CPU_KINDS, "gpu_user_annotation"}  # the categories kept without a stream or a correlation
 _FILE_RANK = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
@@ -131,11 +132,13 @@ class _Collector:
             else:
                 stream, correlation = args.stream, args.correlation
                 if type(stream) is not int:
-                    stream = _int(stream)
+                    stream = -1 if stream is None else _int(stream)
                 if type(correlation) is not int:
-                    correlation = _int(correlation)
-            name = event.name if type(event.name) is str else str(event.name)
+                    correlation = -1 if correlation is None else _int(correlation)
             lowered = cat.lower()
+            name = event.name if type(event.name) is str else str(event.name)
+            if stream == -1 and correlation == -1 and lowered not in HOST_KEPT and name not in SYNC_NAMES:
+                continue  # Python stack events and the like: most of a with_stack trace, and nothing reads them
             try:
                 ts, dur = float(ts), float(dur)
             except (TypeError, ValueError):
