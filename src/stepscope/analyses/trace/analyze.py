@@ -12,7 +12,6 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ HIDDEN_COLLECTIVE = re.compile(
 )  # the record_function ranges stepscope's capture writes
 LOSS_FLOOR_PCT = 15.0  # a cause must cost at least this share of the GPU's time to be named the bottleneck
 COMPUTE_BOUND_PCT = 60.0
+PARALLEL_MIN_BYTES = 8 << 20  # files on disk (gzip: ~100 MB of JSON) before ranks are read in parallel
 STRAGGLER_RATIO = 1.05  # a rank whose mean step is 5% above the median of the other ranks' steps
 
 DEFINITIONS = {
@@ -166,10 +166,20 @@ def _read(path: Path) -> tuple[TraceEvents | None, TraceFileStatus]:
 
 
 def _read_all(paths: list[Path], jobs: int) -> list[tuple[TraceEvents | None, TraceFileStatus]]:
-    if jobs <= 1 or len(paths) <= 1:
+    # worker processes cost ~0.1 s to start: worth it only when there is more to read than that
+    if jobs <= 1 or len(paths) <= 1 or sum(_size(p) for p in paths) < PARALLEL_MIN_BYTES:
         return [_read(p) for p in paths]
+    from concurrent.futures import ProcessPoolExecutor
+
     with ProcessPoolExecutor(max_workers=min(jobs, len(paths))) as pool:
         return list(pool.map(_read, paths))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def usable_cores() -> int:
