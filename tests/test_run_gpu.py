@@ -34,7 +34,9 @@ def test_run_times_a_cuda_script_with_events_h2d_and_syncs(tmp_path):
     # One loss.item() per step: one host sync, where the host waits for the step's GPU work.
     assert summary.counters["host_syncs"] == pytest.approx(1.0)
     assert summary.counters["item_calls"] == pytest.approx(1.0)
-    assert phases["sync"].mean_ms > phases["forward"].mean_ms
+    # The host waits there for the GPU's queued work; how long depends on how far ahead it ran (on an H100 this
+    # small step's work often finishes first), so only the wait's presence is checked: host time beyond the copy.
+    assert phases["sync"].mean_ms > phases["sync"].device_mean_ms
     assert summary.throughput.samples_per_s == pytest.approx(256 * summary.throughput.steps_per_s, rel=0.01)
     assert summary.verdict.bound != "unknown"
 
