@@ -27,19 +27,8 @@ import psutil
 import pytest
 from run_helpers import REPO, SCRIPTS, free_port, run_env, script, stepscope_cmd, stepscope_run, torchrun
 
-from stepscope.instrument.pyspy import (
-    PtraceFacts,
-    PySpyError,
-    Samples,
-    blocked_in,
-    classify,
-    find_pyspy,
-    format_report,
-    is_permission_error,
-    parse_dump,
-    permission_message,
-    sample,
-)
+from stepscope.instrument.pyspy import PtraceFacts, PySpyError, find_pyspy, is_permission_error, permission_message
+from stepscope.instrument.stackdump import Samples, blocked_in, classify, format_report, parse_dump, sample
 from stepscope.summary import RunSummary
 
 DATA = Path(__file__).resolve().parent / "data" / "pyspy"

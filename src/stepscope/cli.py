@@ -181,7 +181,8 @@ def _py_spy_out(path_text: str | None) -> Path | None:
 def _dump(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from stepscope.instrument.pyspy import PySpyError, dump, format_report
+    from stepscope.instrument.pyspy import PySpyError
+    from stepscope.instrument.stackdump import dump, format_report
 
     try:
         report = dump(args.pid, samples=args.samples, interval_s=args.interval_s)
