@@ -158,9 +158,9 @@ def iter_decoded(path: str | Path, decode: Decode, trace: TraceFile | None = Non
             yield from _parse(_chunks(handle, compressed), trace, decode)
         except (zlib.error, EOFError) as error:
             raise TraceReadError(f"the gzip data is corrupt ({error})") from None
-        except ValueError as error:
-            if isinstance(error, TraceReadError):
-                raise
+        except TraceReadError:
+            raise
+        except ValueError as error:  # the decoder's
             raise TraceReadError(f"the JSON is malformed ({error})") from None
 
 
