@@ -6,7 +6,6 @@ Files that cannot be read are reported with the reason and the others analysed.
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 import time
@@ -21,17 +20,19 @@ import numpy as np
 from stepscope.analyses.trace import breakdown as bd
 from stepscope.analyses.trace.events import TraceEvents, read_trace, trace_files
 from stepscope.analyses.trace.stream import TraceReadError
+from stepscope.instrument.profile import RANGE_PREFIX
 from stepscope.summary import Verdict
 
 DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__")
-PHASE_PREFIX = "stepscope/"
+PHASE_RANGE = re.compile("^" + re.escape(RANGE_PREFIX))  # the phase ranges stepscope's capture writes
+ATEN_OP = re.compile(r"^aten::")
 # Collectives that are not NCCL kernels (torch symmetric memory, NVSHMEM, custom all-reduce): HTA's definition counts
 # them as computation; they are named in a note rather than reclassified, so the figures stay comparable with HTA.
 HIDDEN_COLLECTIVE = re.compile(
     r"multimem|nvshmem|symm_mem|one_shot_all_reduce|two_shot_all_reduce|(all_?reduce|all_?gather|reduce_?scatter)"
     r".*kernel",
     re.IGNORECASE,
-)  # the record_function ranges stepscope's capture writes
+)
 LOSS_FLOOR_PCT = 15.0  # a cause must cost at least this share of the GPU's time to be named the bottleneck
 COMPUTE_BOUND_PCT = 60.0
 PARALLEL_MIN_BYTES = 8 << 20  # files on disk (gzip: ~100 MB of JSON) before ranks are read in parallel
@@ -166,13 +167,18 @@ def _read(path: Path) -> tuple[TraceEvents | None, TraceFileStatus]:
 
 
 def _read_all(paths: list[Path], jobs: int) -> list[tuple[TraceEvents | None, TraceFileStatus]]:
+    """Read every file; in worker processes (``jobs``, 0: one per usable core) when there is enough to read."""
     # worker processes cost ~0.1 s to start: worth it only when there is more to read than that
-    if jobs <= 1 or len(paths) <= 1 or sum(_size(p) for p in paths) < PARALLEL_MIN_BYTES:
-        return [_read(p) for p in paths]
-    from concurrent.futures import ProcessPoolExecutor
+    if jobs != 1 and len(paths) > 1 and sum(_size(p) for p in paths) >= PARALLEL_MIN_BYTES:
+        from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=min(jobs, len(paths))) as pool:
-        return list(pool.map(_read, paths))
+        from stepscope.collectors.host import usable_cores
+
+        workers = min(jobs or usable_cores(), len(paths))
+        if workers > 1:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                return list(pool.map(_read, paths))
+    return [_read(p) for p in paths]
 
 
 def _size(path: Path) -> int:
@@ -180,14 +186,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _step_stats(win: bd.Window) -> tuple[int, float | None]:
@@ -262,12 +260,12 @@ def _data_loading(trace: TraceEvents, win: bd.Window, dev: bd.DeviceTime | None)
 
 
 def _phases(trace: TraceEvents, win: bd.Window) -> dict[str, float]:
-    rows = _host_rows(trace, re.compile("^" + re.escape(PHASE_PREFIX)), win)
+    rows = _host_rows(trace, PHASE_RANGE, win)
     if not rows.any():
         return {}
     steps = max(len(win.steps), 1)
     spent = np.bincount(trace.cpu["name"][rows], weights=trace.cpu["end"][rows] - trace.cpu["ts"][rows])
-    return {trace.names[i].removeprefix(PHASE_PREFIX): float(spent[i]) / steps / 1000 for i in np.flatnonzero(spent)}
+    return {trace.names[i].removeprefix(RANGE_PREFIX): float(spent[i]) / steps / 1000 for i in np.flatnonzero(spent)}
 
 
 def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
@@ -275,7 +273,7 @@ def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
     ops = cpu["kind"] == 0
     if not ops.any():
         return None
-    step_rows = trace.named(cpu["name"], re.compile("ProfilerStep"))
+    step_rows = trace.named(cpu["name"], bd.PROFILER_STEP)
     if step_rows.any():
         thread = int(Counter(cpu["tid"][step_rows].tolist()).most_common(1)[0][0])
     else:
@@ -290,7 +288,7 @@ def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
         lo, hi = float(cpu["ts"][on_thread].min()), float(cpu["end"][on_thread].max())
     if hi <= lo:
         return None
-    aten = ops & (cpu["tid"] == thread) & trace.named(cpu["name"], re.compile(r"^aten::"))
+    aten = ops & (cpu["tid"] == thread) & trace.named(cpu["name"], ATEN_OP)
     computing = bd.length(bd.clip(bd.merge(cpu["ts"][aten], cpu["end"][aten]), lo, hi))
     share = 100 * computing / (hi - lo)
     return CpuShare(thread, (hi - lo) / 1000, share, 100 - share)
@@ -316,11 +314,10 @@ def analyze_rank(trace: TraceEvents, job_step_names: int, top: int = 10) -> Rank
             span.compute_pct,
             span.non_compute_pct,
         )
-        result.overlap_pct = bd.overlap_pct(dev)
-        comm = dev.by_type[bd.COMMUNICATION]
-        if len(comm[0]):
-            exposed = bd.length(comm) - bd.intersection(comm, dev.by_type[bd.COMPUTATION])
-            result.exposed_comm_pct = 100 * exposed / span.basis_us
+        if (comm := bd.communication(dev)) is not None:
+            total, overlapped = comm
+            result.overlap_pct = 100 * overlapped / total if total > 0 else None
+            result.exposed_comm_pct = 100 * (total - overlapped) / span.basis_us
         idle = bd.idle_breakdown(trace, win, dev)
         if idle is not None:
             result.idle_breakdown = {
@@ -472,7 +469,7 @@ def analyze_trace(
     """
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
     files = trace_files(items)
-    read = _read_all(files, jobs or usable_cores())
+    read = _read_all(files, jobs)
     statuses = [status for _, status in read]
     traces = [t for t, _ in read if t is not None]
     warnings: list[str] = []

@@ -30,7 +30,7 @@ KERNEL_TYPES = ("communication", "memory", "computation", "other")
 _COMM = re.compile(r"^nccl.*Kernel")
 _MEMORY = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 _NOT_COMPUTE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
-_PROFILER_STEP = re.compile(r"ProfilerStep")
+PROFILER_STEP = re.compile(r"ProfilerStep")
 _SYNC = re.compile("^(" + "|".join(map(re.escape, sorted(SYNC_NAMES))) + ")$")
 KERNEL_WAIT_US = 30  # HTA's consecutive_kernel_delay: gaps shorter than this are launch latency
 IDLE_KINDS = [DEVICE_KINDS[k] for k in ("kernel", "gpu_memcpy", "gpu_memset", "mtia_ccp_events")]  # not syncs
@@ -97,7 +97,7 @@ class Window:
 
 def profiler_steps(trace: TraceEvents) -> tuple[np.ndarray, np.ndarray, set[str]]:
     """Starts and ends (µs, sorted) of the trace's ProfilerStep ranges, and their distinct names."""
-    rows = trace.named(trace.cpu["name"], _PROFILER_STEP)
+    rows = trace.named(trace.cpu["name"], PROFILER_STEP)
     order = np.argsort(trace.cpu["ts"][rows], kind="stable")
     names = {trace.names[i] for i in np.unique(trace.cpu["name"][rows])}
     return trace.cpu["ts"][rows][order], trace.cpu["end"][rows][order], names
@@ -116,7 +116,7 @@ def window(trace: TraceEvents, job_step_names: int) -> Window:
         return everything
     # HTA cuts at the last ProfilerStep of any host-side row, and GPU annotations have no stream: they count too
     annotations = trace.gpu_annotations
-    on_gpu = annotations["ts"][trace.named(annotations["name"], _PROFILER_STEP)]
+    on_gpu = annotations["ts"][trace.named(annotations["name"], PROFILER_STEP)]
     last_start = max(float(starts[-1]), float(on_gpu.max())) if len(on_gpu) else float(starts[-1])
     runtime = trace.runtime["ts"] < last_start
     kept = trace.runtime["correlation"][runtime]
@@ -197,13 +197,13 @@ def temporal(dev: DeviceTime, lo: float | None = None, hi: float | None = None) 
     return Temporal(basis, 100 * idle / basis, 100 * computing / basis, 100 * (basis - computing - idle) / basis)
 
 
-def overlap_pct(dev: DeviceTime) -> float | None:
-    """Share (%) of communication time overlapped by computation; None without communication kernels."""
+def communication(dev: DeviceTime) -> tuple[float, float] | None:
+    """The union of communication kernels (µs) and the part of it that computation overlaps (µs); None without
+    communication kernels. ``overlap_pct`` is the second over the first."""
     comm = dev.by_type[COMMUNICATION]
-    total = length(comm)
-    if total <= 0:
+    if len(comm[0]) == 0:
         return None
-    return 100 * intersection(comm, dev.by_type[COMPUTATION]) / total
+    return length(comm), intersection(comm, dev.by_type[COMPUTATION])
 
 
 def idle_breakdown(trace: TraceEvents, win: Window, dev: DeviceTime) -> IdleBreakdown | None:
