@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
-from stepscope.instrument.profile import NO_RANGES, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges, _NoRanges
+from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
 from stepscope.record import DATA_PHASE, OTHER_PHASE, Recorder, StepRecord, summarize
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary
@@ -522,7 +522,7 @@ class Scope:
             window = NsysWindow.parse(nsys_window) if isinstance(nsys_window, str) else nsys_window
             self._nsys = NsysRange(window)
             self._nsys.at_step(0)
-        self._ranges: Ranges | _NoRanges = NO_RANGES
+        self._ranges: Ranges | NoRanges = NO_RANGES
         if profile is not None or nvtx:
             self._ranges = Ranges(record_function=profile is not None, nvtx=nvtx)
             self._phase_type = _MarkedHostPhase

@@ -110,7 +110,7 @@ class Ranges:
             self._nvtx.range_pop()
 
 
-class _NoRanges:
+class NoRanges:
     """No ranges: what phases push and pop when nothing is being captured."""
 
     def push(self, name: str) -> None:
@@ -120,7 +120,7 @@ class _NoRanges:
         return None
 
 
-NO_RANGES = _NoRanges()
+NO_RANGES = NoRanges()
 
 
 class Profiler:

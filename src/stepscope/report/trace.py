@@ -21,7 +21,7 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
 
-def rank_breakdown(analysis: TraceAnalysis, ascii_only: bool = False) -> Table:
+def rank_breakdown(ranks: list[RankTrace], ascii_only: bool = False) -> Table:
     """One row per rank: step, kernel span, idle/compute/non-compute, idle causes, overlap, data loading, verdict."""
     table = Table(
         box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1)
@@ -30,7 +30,7 @@ def rank_breakdown(analysis: TraceAnalysis, ascii_only: bool = False) -> Table:
                "overlap%", "data ms", "bound")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("rank", "bound") else "right", no_wrap=True)
-    for r in analysis.ranks:
+    for r in ranks:
         idle = r.idle_breakdown or {}
         table.add_row(
             str(r.rank), str(r.steps), _ms(r.step_ms), _ms(r.kernel_span_ms), _pct(r.idle_pct), _pct(r.compute_pct),
@@ -71,7 +71,7 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
         ranks = [r for r in analysis.ranks if r.job == job]
         files = ", ".join(sorted({r.file.rsplit("/", 1)[-1] for r in ranks}))
         console.print(f"\nstepscope trace · {escape(job)} · {len(ranks)} rank(s) · {escape(files[:200])}")
-        console.print(rank_breakdown(TraceAnalysis(ranks, [], analysis.verdict), plain))
+        console.print(rank_breakdown(ranks, plain))
         for r in ranks[:top_ranks]:
             if r.top_kernels:
                 console.print(f"top kernels, rank {r.rank}:")
