@@ -1,11 +1,13 @@
-"""StreamingStats: exact moments, exact quantiles up to exact_limit, bounded DDSketch-style quantiles beyond."""
+"""StreamingStats: exact moments, exact quantiles up to exact_limit, bounded DDSketch-style quantiles beyond; the
+bounded step-time series."""
 
 import math
 
 import numpy as np
 import pytest
 
-from stepscope.record import StreamingStats
+from stepscope.record import Recorder, SeriesBuilder, StepRecord, StreamingStats, summarize
+from stepscope.summary import StepSeries
 
 QS = (0.0, 0.1, 0.25, 0.5, 0.9, 0.95, 0.99, 1.0)
 
@@ -239,3 +241,35 @@ def test_smallest_valid_constructor_args_work():
     stats.add(2.0)
     assert not stats.exact
     assert stats.count == 2
+
+
+def test_series_keeps_every_step_until_full_then_merges_neighbours_in_pairs():
+    builder = SeriesBuilder(points=4)
+    assert builder.series() is None
+    for ms in range(1, 8):  # 7 steps of 1..7 ms: below 2 * points, kept one by one
+        builder.add(ms * 1_000_000)
+    assert builder.series() == StepSeries(stride=1, step_ms=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    builder.add(8_000_000)  # the 8th step fills 2 * points: pairs merge, the stride doubles
+    assert builder.series() == StepSeries(stride=2, step_ms=[1.5, 3.5, 5.5, 7.5])
+    builder.add(9_000_000)  # a half-filled point is the mean of the steps it has
+    assert builder.series() == StepSeries(stride=2, step_ms=[1.5, 3.5, 5.5, 7.5, 9.0])
+
+
+def test_series_memory_is_bounded_and_its_mean_is_exact_over_a_long_run():
+    builder = SeriesBuilder(points=64)
+    steps = np.random.default_rng(0).integers(1_000_000, 50_000_000, size=100_003)
+    for ns in steps.tolist():
+        builder.add(ns)
+    series = builder.series()
+    assert series is not None and 64 <= len(series.step_ms) <= 129
+    full = len(steps) // series.stride
+    assert sum(series.step_ms[:full]) * series.stride == pytest.approx(steps[: full * series.stride].sum() / 1e6)
+
+
+def test_recorder_series_includes_warmup_steps_and_reaches_the_summary():
+    recorder = Recorder(warmup=2, window=4)
+    for i, ms in enumerate([50, 40, 10, 10, 10]):
+        recorder.add(StepRecord(i, ms * 1_000_000, {}))
+    summary = summarize(recorder, "host")
+    assert summary.series == StepSeries(stride=1, step_ms=[50.0, 40.0, 10.0, 10.0, 10.0])
+    assert summary.steps.warmup == 2

@@ -140,7 +140,7 @@ def test_round_trip_of_a_real_scope_summary(tmp_path, clock):
 def test_json_form_puts_schema_version_first():
     data = orjson.loads(full_summary().to_json())
     assert next(iter(data)) == "schema_version"
-    assert data["schema_version"] == SCHEMA_VERSION == 2
+    assert data["schema_version"] == SCHEMA_VERSION == 3
     assert data["phases"]["forward"]["device_p95_ms"] == 22.0
     assert data["fixes"][1]["gain_bound"] is None
 
@@ -261,7 +261,20 @@ def test_values_outside_the_vocabulary_are_refused(tmp_path, edit, message):
 def test_schema_1_file_is_upgraded_with_empty_facts():
     data = RunSummary().to_dict()
     data["schema_version"] = 1
-    del data["facts"], data["dataloader"]
+    del data["facts"], data["dataloader"], data["series"], data["pipeline"]
     summary = RunSummary.from_dict(data)
-    assert summary.schema_version == 2
+    assert summary.schema_version == 3
     assert summary.facts == {} and summary.dataloader == {}
+    assert summary.series is None and summary.pipeline == {}
+
+
+def test_schema_2_file_and_its_ranks_are_upgraded_without_series_or_pipeline():
+    rank = RunSummary().to_dict()
+    data = RunSummary().to_dict()
+    for d in (rank, data):
+        d["schema_version"] = 2
+        del d["series"], d["pipeline"]
+    data["ranks"] = [rank]
+    summary = RunSummary.from_dict(data)
+    assert summary.schema_version == 3 and summary.ranks[0].schema_version == 3
+    assert summary.series is None and summary.ranks[0].pipeline == {}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stepscope.summary import PhaseStats, RunSummary, Steps, Throughput
+from stepscope.summary import PhaseStats, RunSummary, Steps, StepSeries, Throughput
 
 PHASES = ("data_wait", "h2d", "forward", "backward", "clip", "optimizer", "zero_grad", "sync", "other")
 """Canonical phase names in step order; ``total`` is the whole step."""
@@ -113,6 +113,41 @@ class StreamingStats:
         return self.max
 
 
+class SeriesBuilder:
+    """Step times of the whole run in bounded memory: every step is kept until ``2 * points`` are held, then
+    neighbours are merged in pairs (the stride doubles), so the series always spans the run with ``points`` to
+    ``2 * points`` values, each the mean of ``stride`` consecutive steps."""
+
+    def __init__(self, points: int = 512) -> None:
+        if points < 1:
+            raise ValueError(f"points must be at least 1, got {points}")
+        self.points = points
+        self.stride = 1
+        self._sums_ns: list[int] = []
+        self._pending_ns = 0
+        self._pending = 0
+
+    def add(self, step_ns: int) -> None:
+        """Add one step's wall time (ns)."""
+        self._pending_ns += step_ns
+        self._pending += 1
+        if self._pending == self.stride:
+            self._sums_ns.append(self._pending_ns)
+            self._pending_ns = 0
+            self._pending = 0
+            if len(self._sums_ns) == 2 * self.points:
+                sums = self._sums_ns
+                self._sums_ns = [sums[i] + sums[i + 1] for i in range(0, len(sums), 2)]
+                self.stride *= 2
+
+    def series(self) -> StepSeries | None:
+        """The series so far (the last point may average fewer than ``stride`` steps); None before any step."""
+        step_ms = [total / self.stride / 1e6 for total in self._sums_ns]
+        if self._pending:
+            step_ms.append(self._pending_ns / self._pending / 1e6)
+        return StepSeries(stride=self.stride, step_ms=step_ms) if step_ms else None
+
+
 @dataclass(slots=True)
 class StepRecord:
     """One step as the host saw it (wall ns for the step and per phase), plus device seconds once harvested."""
@@ -152,6 +187,7 @@ class Recorder:
     samples: int = 0
     sampled_step_s: float = 0.0
     recent: deque[StepRecord] = field(init=False)
+    series: SeriesBuilder = field(default_factory=SeriesBuilder)  # every timed step, warm-up and profiled too
     _unfolded: list[StepRecord] = field(default_factory=list)
     _unfolded_device: list[dict[str, float]] = field(default_factory=list)
 
@@ -176,6 +212,7 @@ class Recorder:
         """Take one closed step; returns False (and keeps nothing) for a warm-up step."""
         measured = self.steps_seen >= self.warmup
         self.steps_seen += 1
+        self.series.add(record.step_ns)
         if measured:
             self.recent.append(record)
             self._unfolded.append(record)
@@ -236,7 +273,7 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
     recorder.fold()
     warmup = min(recorder.warmup, recorder.steps_seen)
     steps = Steps(warmup=warmup, measured=recorder.measured, profiled=recorder.profiled)
-    summary = RunSummary(steps=steps)
+    summary = RunSummary(steps=steps, series=recorder.series.series())
     step = recorder.step_stats
     if step.count == 0:
         if recorder.steps_seen == 0:

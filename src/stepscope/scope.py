@@ -501,6 +501,7 @@ class Scope:
         if self._on_step(recorder.steps_seen + 1):  # recorded by torch.profiler: its overhead is in the times
             recorder.steps_seen += 1
             recorder.profiled += 1
+            recorder.series.add(record.step_ns)
             self._device.discard_step()
             self._step_start_ns = self._clock()  # the profiler's step() (a trace export) is not the next step's time
             return

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -32,6 +32,16 @@ class Steps:
     measured: int = 0
     profiled: int = 0  # steps recorded by torch.profiler (a trace capture): left out of the statistics
     boundary: str | None = None  # what closed a step: "scope.step", "optimizer.step", "backward", ...
+
+
+@dataclass
+class StepSeries:
+    """Host step times over the whole run, warm-up and profiled steps included, in bounded memory: point ``i`` is
+    the mean of steps ``[i * stride, (i + 1) * stride)`` counted from the first timed step (the last point may
+    average fewer)."""
+
+    stride: int
+    step_ms: list[float]
 
 
 @dataclass
@@ -188,6 +198,8 @@ class RunSummary:
     params: list[dict[str, Any]] = field(default_factory=list)  # `stepscope params`: one audit per model
     facts: dict[str, Any] = field(default_factory=dict)  # runtime settings the doctor reads (docs/summary-schema.md)
     dataloader: dict[str, Any] = field(default_factory=dict)  # `stepscope dataloader`: the loader measured alone
+    series: StepSeries | None = None  # step times over the run (per rank in a merged summary)
+    pipeline: dict[str, Any] = field(default_factory=dict)  # PipelineMonitor's last snapshot (docs/pipeline.md)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,6 +254,8 @@ class RunSummary:
                 params=list(data.get("params", [])),
                 facts=dict(data.get("facts", {})),
                 dataloader=dict(data.get("dataloader", {})),
+                series=None if data.get("series") is None else _build(StepSeries, data["series"]),
+                pipeline=dict(data.get("pipeline", {})),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:
@@ -296,5 +310,9 @@ def _add_facts(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "facts": {}, "dataloader": {}, "schema_version": 2}
 
 
+def _add_series(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "series": None, "pipeline": {}, "schema_version": 3}
+
+
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
-_UPGRADES: dict[int, Any] = {1: _add_facts}
+_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series}
