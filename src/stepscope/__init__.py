@@ -27,6 +27,8 @@ _EXPORTS = {
     "TraceReadError": "stepscope.analyses.trace.stream",
     "NsysWindow": "stepscope.instrument.profile",
     "ProfileWindow": "stepscope.instrument.profile",
+    "PipelineMonitor": "stepscope.pipeline.monitor",
+    "PipelineSnapshot": "stepscope.pipeline.monitor",
     "NULL_SCOPE": "stepscope.scope",
     "NullScope": "stepscope.scope",
     "Scope": "stepscope.scope",
@@ -47,6 +49,8 @@ __all__ = [
     "NullScope",
     "ParamAudit",
     "PhaseStats",
+    "PipelineMonitor",
+    "PipelineSnapshot",
     "ProfileWindow",
     "RankTrace",
     "RunSummary",
@@ -78,6 +82,7 @@ if TYPE_CHECKING:
     from stepscope.analyses.trace.analyze import RankTrace, TraceAnalysis, analyze_trace
     from stepscope.analyses.trace.stream import TraceReadError
     from stepscope.instrument.profile import NsysWindow, ProfileWindow
+    from stepscope.pipeline.monitor import PipelineMonitor, PipelineSnapshot
     from stepscope.scope import NULL_SCOPE, NullScope, Scope
     from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
 

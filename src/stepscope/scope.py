@@ -322,6 +322,7 @@ class Scope:
         self._current: dict[str, int] = {}
         self._claimed_ns = 0
         self._failed: str | None = None
+        self._pipeline: Any = None  # a linked PipelineMonitor
         self._started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self._capture(profile, nvtx, nsys_window)
         if self._recorder.measuring:
@@ -386,6 +387,8 @@ class Scope:
             if self.peak_tflops:
                 out["perf/mfu"] = out["perf/tflops"] / self.peak_tflops
         out.update(self._collectors.snapshot())
+        if self._pipeline is not None:
+            out.update(self._pipeline.metrics())
         return out
 
     def postfix(self) -> str:
@@ -432,6 +435,8 @@ class Scope:
             summary.notes.append(
                 f"device time missing for {self._device.dropped_steps} step(s) whose events never completed."
             )
+        if self._pipeline is not None:
+            summary.pipeline = self._pipeline.to_summary()
         if self._failed:
             summary.notes.append(f"measurement stopped early after an internal error: {self._failed}")
         return summary
@@ -472,6 +477,19 @@ class Scope:
         self._collectors = _Closed(final)
 
     # -- internals ----------------------------------------------------------------------------------------------
+
+    def _attach(self, monitor: Any) -> None:
+        """Link a PipelineMonitor: each measured step becomes one of its training steps (before the sinks write,
+        so they see it), and its figures join ``metrics()`` and ``summary()``."""
+        self._pipeline = monitor
+        recorder, log_step = self._recorder, self._log_step
+
+        def log(index: int) -> None:
+            record = recorder.recent[-1]
+            monitor._scope_step(record.step_ns, record.phases_ns, record.samples)
+            log_step(index)
+
+        self._log_step = log
 
     def _write_sinks(self, step: int) -> None:
         if step % self._log_every == 0:

@@ -1,0 +1,134 @@
+"""Which side of an inference→training pipeline starves the other, in words with the figures.
+
+The capacities decide: inference capacity I (what the engines could produce with training infinitely fast) against
+training capacity T (what the trainer could consume with inference infinitely fast). Within ``tolerance`` of each
+other the pipeline is ``balanced``; T > I is ``inference``-bound, I > T ``training``-bound. The trainer's dispatch
+wait and the pool's trend are the independent evidence: an inference-bound pipeline makes the trainer wait with
+the pool near empty; a training-bound one fills the pool while the trainer never waits. Confidence is high when
+they agree with the capacities, medium when they do not, low on few events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIN_EVENTS = 3  # engine calls and training steps in the window below which the verdict has low confidence
+WAITING = 0.05  # the trainer "waits" from 5% of its time spent waiting for samples
+IDLE_SLOTS = 0.8  # engines busy less than 80% of slot time: the slots are not kept fed
+
+
+@dataclass
+class Figures:
+    """The window's measurements the verdict reads (rates in samples/s, times in s, shares 0..1)."""
+
+    infer_capacity: float | None
+    train_capacity: float | None
+    dispatch_wait_s: float | None
+    wait_share: float | None  # of the trainer's time (steps + waits)
+    pool: float
+    pool_trend: float | None
+    slot_busy: float | None  # engine time / (slots × window span)
+    infer_calls: int
+    infer_errors: int
+    train_steps: int
+    data_s: float = 0.0  # training time in data fetch and transfer (a linked Scope's phases), s
+    compute_s: float = 0.0  # training time in forward, backward and the optimizer, s
+
+
+@dataclass
+class PipelineVerdict:
+    bottleneck: str = "unknown"  # "inference" | "training" | "balanced" | "unknown"
+    confidence: str = "low"
+    training_side: str | None = None  # "data" | "compute": what dominates a training step (from a linked Scope)
+    evidence: list[str] = field(default_factory=list)
+
+
+def training_side(data_s: float, compute_s: float) -> tuple[str | None, str | None]:
+    """Whether data fetch and transfer or compute dominate the training steps (a linked Scope's phase times, s),
+    and the sentence saying so; (None, None) without them."""
+    total = data_s + compute_s
+    if total <= 0:
+        return None, None
+    if data_s > compute_s:
+        return "data", (
+            f"within training, data fetch and host-to-device transfer take {data_s / total:.0%} of the timed phases "
+            "against compute: the training side is data-loading/transfer-bound"
+        )
+    return "compute", (
+        f"within training, compute (forward, backward, optimizer) takes {compute_s / total:.0%} of the timed phases "
+        "against data fetch and transfer"
+    )
+
+
+def _rate(value: float) -> str:
+    return f"{value:.1f} samples/s"
+
+
+def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
+    """The bottleneck of the window described by ``figures``: capacities within ``tolerance`` (0..1) of each
+    other are balanced."""
+    infer, train = figures.infer_capacity, figures.train_capacity
+    errors = (
+        [f"{figures.infer_errors} engine call(s) raised in the window and are left out of the inference capacity"]
+        if figures.infer_errors
+        else []
+    )
+    if infer is None or train is None:
+        missing = []
+        if infer is None:
+            missing.append("no engine call produced samples")
+        if train is None:
+            missing.append("no training step with samples")
+        return PipelineVerdict(evidence=[f"{' and '.join(missing)} in the last window: not enough data", *errors])
+    enough = figures.infer_calls >= MIN_EVENTS and figures.train_steps >= MIN_EVENTS
+    waiting = figures.wait_share is not None and figures.wait_share >= WAITING
+    filling = figures.pool_trend is not None and figures.pool_trend > 0
+    wait_text = (
+        f"the trainer waited {figures.dispatch_wait_s * 1e3:.0f} ms per step for samples "
+        f"({figures.wait_share:.0%} of its time)"
+        if figures.dispatch_wait_s is not None and figures.wait_share is not None
+        else "the trainer's dispatch wait was not measured"
+    )
+    trend = f"{figures.pool_trend:+.1f} samples/s" if figures.pool_trend is not None else "unknown"
+    pool_text = f"the pool holds {figures.pool:.0f} samples (trend {trend})"
+    capacities = f"inference capacity I={_rate(infer)}, training capacity T={_rate(train)}"
+    if abs(infer - train) <= tolerance * max(infer, train):
+        verdict = PipelineVerdict(
+            "balanced",
+            "high" if enough else "low",
+            evidence=[f"{capacities}: within {tolerance:.0%} of each other", wait_text, pool_text],
+        )
+    elif train > infer:
+        evidence = [
+            f"{capacities}: training could consume {train / infer:.2f}x what inference produces",
+            wait_text,
+            pool_text,
+            "add engines or raise the inference batch",
+        ]
+        if figures.slot_busy is not None and figures.slot_busy < IDLE_SLOTS:
+            evidence.append(
+                f"the engines were busy only {figures.slot_busy:.0%} of their slot time: requests do not keep every "
+                "slot fed, so dispatch more requests concurrently before adding engines"
+            )
+        agree = waiting and not filling
+        verdict = PipelineVerdict("inference", "high" if agree else "medium", evidence=evidence)
+    else:
+        evidence = [
+            f"{capacities}: inference could produce {infer / train:.2f}x what training consumes",
+            wait_text,
+            pool_text,
+        ]
+        agree = not waiting and (figures.pool_trend is None or figures.pool_trend >= 0)
+        verdict = PipelineVerdict("training", "high" if agree else "medium", evidence=evidence)
+        side, sentence = training_side(figures.data_s, figures.compute_s)
+        verdict.training_side = side
+        evidence.append(
+            sentence or "link a Scope (PipelineMonitor(scope=...)) to see whether data or compute dominates training"
+        )
+    if not enough:
+        verdict.confidence = "low"
+        verdict.evidence.append(
+            f"only {figures.infer_calls} engine call(s) and {figures.train_steps} training step(s) in the window"
+        )
+    verdict.evidence += errors
+    return verdict
