@@ -436,7 +436,10 @@ class Scope:
                 f"device time missing for {self._device.dropped_steps} step(s) whose events never completed."
             )
         if self._pipeline is not None:
+            from stepscope.doctor.verdict import classify
+
             summary.pipeline = self._pipeline.to_summary()
+            summary.verdict = classify(summary)
         if self._failed:
             summary.notes.append(f"measurement stopped early after an internal error: {self._failed}")
         return summary

@@ -82,8 +82,29 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
     return lines
 
 
+def pipeline_verdict(summary: RunSummary) -> Verdict | None:
+    """An inference→training pipeline's bound (``summary.pipeline``, from a PipelineMonitor) when one side starves
+    the other: it outranks the phase shares, whose data wait would only say the trainer waited. A training-bound
+    pipeline keeps what the phases say about the training step as evidence. None when balanced or unknown."""
+    pipeline = summary.pipeline
+    bound = pipeline.get("bottleneck")
+    if bound not in ("inference", "training"):
+        return None
+    evidence = list(pipeline.get("evidence", []))
+    if bound == "training" and summary.steps.measured >= MIN_STEPS and TOTAL in summary.phases:
+        within = classify_phases(summary)
+        evidence += [f"training step: {within.bound}-bound ({line})" for line in within.evidence[:1]]
+    return Verdict(bound, pipeline.get("confidence", "low"), evidence)
+
+
 def classify(summary: RunSummary) -> Verdict:
-    """The bound, confidence and evidence for a summary's phases (see the module docstring for the rules)."""
+    """The bound, confidence and evidence for a summary: the pipeline's bound when a PipelineMonitor found one
+    side starving the other, else the phases' (see the module docstring for the rules)."""
+    return pipeline_verdict(summary) or classify_phases(summary)
+
+
+def classify_phases(summary: RunSummary) -> Verdict:
+    """The bound, confidence and evidence for a summary's phases."""
     measured = summary.steps.measured
     if measured < MIN_STEPS or TOTAL not in summary.phases:
         return Verdict("unknown", "low", [f"only {measured} measured step(s); at least {MIN_STEPS} are needed"])

@@ -131,6 +131,7 @@ class PipelineMonitor:
         self._lock = threading.Lock()
         self._latest = -math.inf
         self._first_t: float | None = None
+        self._last_t = -math.inf
         self._samples_in = 0.0
         self._samples_out = 0.0
         self._takes_seen = False
@@ -161,7 +162,9 @@ class PipelineMonitor:
         if self._first_t is None:
             self._first_t = t
             self._next_history_t = t + self._history_every_s
-        return self._window.at(max(t, self._first_t))
+        t = max(t, self._first_t)
+        self._last_t = max(self._last_t, t)
+        return self._window.at(t)
 
     # -- inference side -----------------------------------------------------------------------------------------
 
@@ -335,7 +338,10 @@ class PipelineMonitor:
 
     def snapshot(self) -> PipelineSnapshot:
         """Both sides over the last window, with the bottleneck and its evidence."""
-        snap, figures = self._figures(self._now())
+        return self._snapshot(self._now())
+
+    def _snapshot(self, now: float) -> PipelineSnapshot:
+        snap, figures = self._figures(now)
         verdict = decide(figures, self.tolerance)
         snap.bottleneck, snap.confidence = verdict.bottleneck, verdict.confidence
         snap.training_side, snap.evidence = verdict.training_side, verdict.evidence
@@ -395,8 +401,13 @@ class PipelineMonitor:
         )
 
     def to_summary(self) -> dict[str, Any]:
-        """The snapshot and the history, as the ``pipeline`` field of a RunSummary (docs/pipeline.md)."""
-        return {**self.snapshot().to_dict(), "history": self.history()}
+        """The snapshot and the history, as the ``pipeline`` field of a RunSummary (docs/pipeline.md). The window
+        ends at the last event, not now: a summary is written after the pipeline stopped, and the idle time since
+        would read as a slowdown."""
+        with self._lock:
+            last = self._last_t
+        now = self._now()
+        return {**self._snapshot(last if last > -math.inf else now).to_dict(), "history": self.history()}
 
 
 class _NullTimed:

@@ -123,6 +123,21 @@ def exit_line(summary: RunSummary) -> str | None:
     return f"the script finished{code}"
 
 
+def pipeline_line(pipeline: dict) -> str:
+    """A PipelineMonitor's figures in one line: ``pipeline: thru 12.1/s · inference capacity 18.5/s · ...``."""
+
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}/s"
+
+    wait = pipeline.get("dispatch_wait_s")
+    return (
+        f"pipeline: thru {rate(pipeline.get('thru'))} · inference capacity {rate(pipeline.get('infer_capacity'))} · "
+        f"training capacity {rate(pipeline.get('train_capacity'))} · wait "
+        f"{'-' if wait is None else f'{wait * 1e3:.0f} ms'}/step · pool {pipeline.get('pool', 0):.0f} · "
+        f"bottleneck {pipeline.get('bottleneck', 'unknown')}"
+    )
+
+
 def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line: bool = True) -> None:
     """Print the phase table, throughput, verdict and notes of a summary (and its ranks, for several)."""
     console = _console(file)
@@ -137,6 +152,8 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
         evidence = f" ({'; '.join(verdict.evidence)})" if verdict.evidence else ""
         if verdict_line:
             console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
+    if summary.pipeline:
+        console.print(pipeline_line(summary.pipeline), markup=False)
     if summary.ranks:
         cluster = summary.cluster
         console.print(f"ranks: {len(summary.ranks)} of {cluster.world_size if cluster else '?'} reported", markup=False)

@@ -1,0 +1,173 @@
+"""The Ray adapter on a real local Ray, and the pipeline example with and without Ray.
+
+Engines are real Ray actors whose calls sleep a known time: the inference capacity read through the adapter must
+be the engines' real rate, late-reported timings must land in the window, failed calls must be counted, and a Ray
+queue used as the pool must be read as the pool's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stepscope.pipeline import PipelineMonitor
+from stepscope.summary import RunSummary
+
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pipeline" / "distill.py"
+
+
+class SleepyEngine:
+    """Takes ``seconds`` per call and returns ``n`` samples; every ``fail_every``-th call raises."""
+
+    def __init__(self, seconds: float, fail_every: int = 0, queue=None) -> None:
+        self.seconds = seconds
+        self.fail_every = fail_every
+        self.calls = 0
+        self.queue = queue
+
+    def generate(self, n: int) -> list[int]:
+        self.calls += 1
+        time.sleep(self.seconds)
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise RuntimeError("engine overloaded")
+        out = list(range(n))
+        if self.queue is not None:
+            self.queue.put_nowait_batch(out)
+        return out
+
+
+def test_reporter_needs_a_running_ray():
+    from stepscope.pipeline.ray import RayReporter
+
+    if ray.is_initialized():
+        pytest.skip("Ray is running in this process")
+    with pytest.raises(RuntimeError, match=r"ray.init\(\)"):
+        RayReporter(PipelineMonitor(slots=1))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def drive(engines, calls: int, n: int) -> None:
+    """Each engine called ``calls`` times in turn, all engines at once (one slot each)."""
+    for _ in range(calls):
+        refs = [engine.generate.remote(n) for engine in engines]
+        for ref in refs:
+            with contextlib.suppress(ray.exceptions.RayTaskError):  # the failing engine's calls
+                ray.get(ref)
+
+
+def test_inference_capacity_through_ray_is_the_engines_real_rate(local_ray):
+    from stepscope.pipeline.ray import RayReporter
+
+    mon = PipelineMonitor(slots=2, window_s=30.0)
+    reporter = RayReporter(mon, poll_s=0.2, flush_s=0.2)
+    engine = ray.remote(num_cpus=0)(reporter.timed(SleepyEngine, "generate"))
+    engines = [engine.remote(0.05) for _ in range(2)]
+    drive(engines, calls=12, n=8)
+    time.sleep(0.5)  # the actors' last flush
+    reporter.close()
+    snap = mon.snapshot()
+    assert snap.infer_calls == 24 and snap.infer_errors == 0
+    # 8 samples per 50 ms call per slot, 2 slots: 320 samples/s (sleep overshoots a little: never faster).
+    assert 250 <= snap.infer_capacity <= 321
+    assert snap.infer_batch_time_s == pytest.approx(0.05, rel=0.25)
+
+
+def test_failed_calls_are_counted_apart_and_a_ray_queue_is_read_as_the_pool(local_ray):
+    from ray.util.queue import Queue
+
+    from stepscope.pipeline.ray import RayReporter
+
+    pool = Queue()
+    mon = PipelineMonitor(slots=1, window_s=30.0)
+    reporter = RayReporter(mon, pool=pool, engines_fill_pool=True, poll_s=0.2, flush_s=0.2)
+    engine = ray.remote(num_cpus=0)(reporter.timed(SleepyEngine, "generate")).remote(0.02, fail_every=3, queue=pool)
+    drive([engine], calls=9, n=4)
+    taken = pool.get_nowait_batch(5)
+    mon.pool_take(len(taken))
+    time.sleep(0.5)
+    reporter.close()
+    snap = mon.snapshot()
+    assert (snap.infer_calls, snap.infer_errors) == (6, 3)
+    assert snap.samples_in == 24  # the 6 calls that succeeded put 4 samples each
+    assert snap.pool == 19  # read from the queue itself: 24 put, 5 taken
+    assert snap.infer_capacity == pytest.approx(4 / 0.02, rel=0.25)
+
+
+def test_late_reports_land_at_the_time_the_call_ended(local_ray):
+    from stepscope.pipeline.ray import RayReporter
+
+    mon = PipelineMonitor(slots=1, window_s=1.0)
+    reporter = RayReporter(mon, poll_s=60, flush_s=0.1)  # polled by hand below
+    engine = ray.remote(num_cpus=0)(reporter.timed(SleepyEngine, "generate")).remote(0.01)
+    drive([engine], calls=5, n=2)
+    time.sleep(1.6)  # these calls end more than one window before they are drained
+    drive([engine], calls=1, n=2)
+    time.sleep(0.3)  # this one's flush
+    reporter.poll()
+    reporter.close()
+    snap = mon.snapshot()
+    assert snap.infer_calls == 1, "only the call that ended within the last second is in a 1 s window"
+
+
+def test_timed_refuses_an_actor_class_and_a_missing_method(local_ray):
+    from stepscope.pipeline.ray import RayReporter
+
+    reporter = RayReporter(PipelineMonitor(slots=1))
+    try:
+        with pytest.raises(TypeError, match="plain class"):
+            reporter.timed(ray.remote(SleepyEngine), "generate")
+        with pytest.raises(AttributeError, match="no method 'decode'"):
+            reporter.timed(SleepyEngine, "decode")
+    finally:
+        reporter.close()
+
+
+def run_example(tmp_path: Path, *args: str) -> RunSummary:
+    out = tmp_path / "pipeline.json"
+    subprocess.run(
+        [sys.executable, str(EXAMPLE), *args, "--json", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    return RunSummary.from_json(out)
+
+
+@pytest.mark.parametrize("ray_flag", [[], ["--ray"]], ids=["threads", "ray"])
+def test_example_is_inference_bound_with_slow_engines(tmp_path, ray_flag):
+    summary = run_example(
+        tmp_path, "--engine-s", "0.2", "--engines", "2", "--seconds", "5", "--window-s", "3", *ray_flag
+    )
+    pipeline = summary.pipeline
+    assert pipeline["bottleneck"] == "inference" and summary.verdict.bound == "inference"
+    # 2 engines x 8 samples per 0.2 s call = 80 samples/s; the trainer can take far more.
+    assert pipeline["infer_capacity"] == pytest.approx(80, rel=0.2)
+    assert pipeline["train_capacity"] > 3 * pipeline["infer_capacity"]
+    assert pipeline["thru"] == pytest.approx(80, rel=0.3)
+    assert pipeline["dispatch_wait_s"] > 0.1
+    assert pipeline["history"]
+
+
+def test_example_is_training_bound_with_slow_steps(tmp_path):
+    summary = run_example(tmp_path, "--engine-s", "0.02", "--train-s", "0.05", "--seconds", "4", "--window-s", "3")
+    pipeline = summary.pipeline
+    assert pipeline["bottleneck"] == "training" and pipeline["training_side"] == "compute"
+    assert pipeline["pool_trend"] > 0 and pipeline["dispatch_wait_s"] < 0.005
+    # 16 samples per step of at least 50 ms: at most 320 samples/s.
+    assert 150 < pipeline["train_capacity"] <= 320
