@@ -79,7 +79,7 @@ class _Timed:
         self.samples = samples  # may be set inside the block: `with mon.infer() as call: ...; call.samples = n`
 
     def __enter__(self) -> _Timed:
-        self._t0 = self._monitor._now()
+        self._t0 = self._monitor._clock()  # no lock on entry: the exit clamps a clock that stepped back
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
@@ -149,13 +149,17 @@ class PipelineMonitor:
 
     # -- the clock ----------------------------------------------------------------------------------------------
 
-    def _now(self) -> float:
+    def _tick(self) -> float:
+        """The monitor's time (s): the clock, never earlier than a time already used. Called with the lock held."""
         t = self._clock()
+        if t < self._latest:
+            return self._latest
+        self._latest = t
+        return t
+
+    def _now(self) -> float:
         with self._lock:
-            if t < self._latest:
-                return self._latest
-            self._latest = t
-            return t
+            return self._tick()
 
     def _bucket(self, t: float) -> Totals:
         """The bucket for an event at ``t``; called with the lock held."""
@@ -176,42 +180,44 @@ class PipelineMonitor:
         return _Timed(self, self._end_infer, batch_size)
 
     def _end_infer(self, t0: float, call: _Timed, ok: bool) -> None:
-        now = self._now()
-        self._add_infer(now, now, now - t0, call.samples, ok)
+        with self._lock:
+            now = self._tick()
+            self._add_infer(now, now - t0, call.samples, ok)
+        self._maybe_history(now)
 
     def record_infer(self, duration_s: float, samples: float, ok: bool = True, ended_ago_s: float = 0.0) -> None:
         """Record an engine call timed elsewhere (another process or machine): ``duration_s`` inside the slot,
         ``samples`` produced, ended ``ended_ago_s`` seconds before this call (the Ray adapter reports in batches)."""
-        now = self._now()
-        self._add_infer(now, now - max(ended_ago_s, 0.0), duration_s, samples, ok)
-
-    def _add_infer(self, now: float, ended: float, duration_s: float, samples: float, ok: bool) -> None:
         with self._lock:
-            bucket = self._bucket(ended)
-            duration_s = max(duration_s, 0.0)
-            bucket.busy_s += duration_s
-            if not ok:
-                bucket.infer_errors += 1
-            elif duration_s > 0 and samples > 0:  # zero time (a clock that stepped back) cannot give a rate
-                bucket.infer_samples += samples
-                bucket.infer_s += duration_s
-                bucket.infer_calls += 1
+            now = self._tick()
+            self._add_infer(now - max(ended_ago_s, 0.0), duration_s, samples, ok)
         self._maybe_history(now)
+
+    def _add_infer(self, ended: float, duration_s: float, samples: float, ok: bool) -> None:
+        bucket = self._bucket(ended)
+        duration_s = max(duration_s, 0.0)
+        bucket.busy_s += duration_s
+        if not ok:
+            bucket.infer_errors += 1
+        elif duration_s > 0 and samples > 0:  # zero time (a clock that stepped back) cannot give a rate
+            bucket.infer_samples += samples
+            bucket.infer_s += duration_s
+            bucket.infer_calls += 1
 
     # -- the pool -----------------------------------------------------------------------------------------------
 
     def pool_put(self, samples: float) -> None:
         """``samples`` entered the pool."""
-        now = self._now()
         with self._lock:
+            now = self._tick()
             self._bucket(now).put += samples
             self._samples_in += samples
         self._maybe_history(now)
 
     def pool_take(self, samples: float) -> None:
         """Training took ``samples`` from the pool: the realised throughput counts these."""
-        now = self._now()
         with self._lock:
+            now = self._tick()
             self._bucket(now).taken += samples
             self._samples_out += samples
             self._takes_seen = True
@@ -219,8 +225,8 @@ class PipelineMonitor:
 
     def pool_level(self, samples: float) -> None:
         """The pool's size as read from the pool itself (a queue's ``qsize()``): used instead of puts − takes."""
-        now = self._now()
         with self._lock:
+            now = self._tick()
             self._bucket(now)
             self._level = samples
             levels = self._levels
@@ -235,12 +241,13 @@ class PipelineMonitor:
         return _Timed(self, self._end_wait, 0)
 
     def _end_wait(self, t0: float, call: _Timed, ok: bool) -> None:
-        now = self._now()
         with self._lock:
+            now = self._tick()
             bucket = self._bucket(now)
-            bucket.wait_s += now - t0
+            wait_s = max(now - t0, 0.0)
+            bucket.wait_s += wait_s
             bucket.waits += 1
-            self._wait_in_step_s += now - t0
+            self._wait_in_step_s += wait_s
         self._maybe_history(now)
 
     def train_step(self, batch_size: float, step_time: float | None = None) -> None:
@@ -250,36 +257,35 @@ class PipelineMonitor:
         if self._linked:
             log.warning("stepscope: PipelineMonitor.train_step ignored: the linked Scope's steps are recorded.")
             return
-        now = self._now()
-        self._add_step(now, batch_size, step_time, 0.0, 0.0)
-
-    def _add_step(self, now: float, samples: float, step_s: float | None, data_s: float, compute_s: float) -> None:
         with self._lock:
-            bucket = self._bucket(now)
+            now = self._tick()
             wait_s, self._wait_in_step_s = self._wait_in_step_s, 0.0
             last, self._last_step_t = self._last_step_t, now
-            if step_s is None:
-                if last is None:
-                    return
-                step_s = now - last - wait_s
-            if step_s > 0 and samples > 0:
-                bucket.train_samples += samples
-                bucket.train_s += step_s
-                bucket.train_steps += 1
-                bucket.data_s += data_s
-                bucket.compute_s += compute_s
+            if step_time is None and last is not None:
+                step_time = now - last - wait_s
+            if step_time is not None:
+                self._add_step(now, batch_size, step_time, 0.0, 0.0)
         self._maybe_history(now)
 
     def _scope_step(self, step_ns: int, phases_ns: dict[str, int], samples: int | None) -> None:
         """A measured step of the linked Scope (called by the Scope after it closes the step)."""
-        now = self._now()
-        with self._lock:
-            wait_s = self._wait_in_step_s
         data_s = sum(phases_ns.get(p, 0) for p in DATA_PHASES) / 1e9
         compute_s = sum(phases_ns.get(p, 0) for p in COMPUTE_PHASES) / 1e9
-        # The wait is usually inside a data phase (the trainer fetches from the pool): it is not data loading.
-        data_s = max(data_s - wait_s, 0.0)
-        self._add_step(now, samples or 0, max(step_ns / 1e9 - wait_s, 0.0), data_s, compute_s)
+        with self._lock:
+            now = self._tick()
+            wait_s, self._wait_in_step_s = self._wait_in_step_s, 0.0
+            # The wait is usually inside a data phase (the trainer fetches from the pool): it is not data loading.
+            self._add_step(now, samples or 0, step_ns / 1e9 - wait_s, max(data_s - wait_s, 0.0), compute_s)
+        self._maybe_history(now)
+
+    def _add_step(self, now: float, samples: float, step_s: float, data_s: float, compute_s: float) -> None:
+        bucket = self._bucket(now)
+        if step_s > 0 and samples > 0:
+            bucket.train_samples += samples
+            bucket.train_s += step_s
+            bucket.train_steps += 1
+            bucket.data_s += data_s
+            bucket.compute_s += compute_s
 
     # -- reading ------------------------------------------------------------------------------------------------
 
