@@ -84,17 +84,14 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
 
 def pipeline_verdict(summary: RunSummary) -> Verdict | None:
     """An inference→training pipeline's bound (``summary.pipeline``, from a PipelineMonitor) when one side starves
-    the other: it outranks the phase shares, whose data wait would only say the trainer waited. A training-bound
-    pipeline keeps what the phases say about the training step as evidence. None when balanced or unknown."""
+    the other: it outranks the phase shares, in which a trainer starved by its engines reads as data-bound. Its
+    evidence already says what dominates a training step, with the dispatch wait taken out. None when balanced or
+    unknown."""
     pipeline = summary.pipeline
     bound = pipeline.get("bottleneck")
     if bound not in ("inference", "training"):
         return None
-    evidence = list(pipeline.get("evidence", []))
-    if bound == "training" and summary.steps.measured >= MIN_STEPS and TOTAL in summary.phases:
-        within = classify_phases(summary)
-        evidence += [f"training step: {within.bound}-bound ({line})" for line in within.evidence[:1]]
-    return Verdict(bound, pipeline.get("confidence", "low"), evidence)
+    return Verdict(bound, pipeline.get("confidence", "low"), list(pipeline.get("evidence", [])))
 
 
 def classify(summary: RunSummary) -> Verdict:

@@ -28,6 +28,7 @@ from stepscope.pipeline.window import Totals, Window
 
 log = logging.getLogger("stepscope")
 
+WAITS_KEPT = 1024  # dispatch waits remembered between two training steps (a trainer that never steps: the last)
 HISTORY_POINTS = 512  # the history keeps at most this many points: when full, every other one goes
 DATA_PHASES = ("data_wait", "h2d")
 COMPUTE_PHASES = ("forward", "backward", "clip", "optimizer", "zero_grad")
@@ -117,6 +118,7 @@ class PipelineMonitor:
         window_s: float = 10.0,
         scope: Any = None,
         tolerance: float = 0.10,
+        *,
         enabled: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -138,20 +140,25 @@ class PipelineMonitor:
         self._level: float | None = None  # the pool's size as reported (pool_level), instead of counting
         self._levels: deque[tuple[float, float]] = deque()
         self._last_step_t: float | None = None
-        self._wait_in_step_s = 0.0
+        # Dispatch waits since the last training step: (start, end, inside a data phase of the linked Scope).
+        self._waits: deque[tuple[float, float, bool]] = deque(maxlen=WAITS_KEPT)
         self._history: list[dict[str, float | None]] = []
         self._history_every_s = window_s / 10
         self._next_history_t = math.inf
         self._linked = False
+        self._scope_phases: dict[str, Any] = {}
         if scope is not None and getattr(scope, "enabled", False):
             scope._attach(self)
             self._linked = True
+            self._scope_phases = scope._phases
 
     # -- the clock ----------------------------------------------------------------------------------------------
 
-    def _tick(self) -> float:
-        """The monitor's time (s): the clock, never earlier than a time already used. Called with the lock held."""
-        t = self._clock()
+    def _tick(self, t: float | None = None) -> float:
+        """The monitor's time (s): the clock (or ``t``, a reading of it), never earlier than a time already used.
+        Called with the lock held."""
+        if t is None:
+            t = self._clock()
         if t < self._latest:
             return self._latest
         self._latest = t
@@ -180,9 +187,10 @@ class PipelineMonitor:
         return _Timed(self, self._end_infer, batch_size)
 
     def _end_infer(self, t0: float, call: _Timed, ok: bool) -> None:
+        t1 = self._clock()  # the duration is on the raw clock: a clamped end would stretch it
         with self._lock:
-            now = self._tick()
-            self._add_infer(now, now - t0, call.samples, ok)
+            now = self._tick(t1)
+            self._add_infer(now, t1 - t0, call.samples, ok)
         self._maybe_history(now)
 
     def record_infer(self, duration_s: float, samples: float, ok: bool = True, ended_ago_s: float = 0.0) -> None:
@@ -241,14 +249,33 @@ class PipelineMonitor:
         return _Timed(self, self._end_wait, 0)
 
     def _end_wait(self, t0: float, call: _Timed, ok: bool) -> None:
+        t1 = self._clock()
+        in_data = self._in_data_phase()
         with self._lock:
-            now = self._tick()
+            now = self._tick(t1)
+            wait_s = max(t1 - t0, 0.0)
             bucket = self._bucket(now)
-            wait_s = max(now - t0, 0.0)
             bucket.wait_s += wait_s
             bucket.waits += 1
-            self._wait_in_step_s += wait_s
+            self._waits.append((now - wait_s, now, in_data))
         self._maybe_history(now)
+
+    def _in_data_phase(self) -> bool:
+        """Whether a data phase (``data_wait``, ``h2d``) of the linked Scope is open: a wait inside one is not data
+        loading. A wait inside ``scope.data(...)``'s fetch is not seen; it matters little, as a training-bound
+        trainer (where data against compute is read) barely waits."""
+        phases = self._scope_phases
+        return any(phase._starts for name in DATA_PHASES if (phase := phases.get(name)) is not None)
+
+    def _waited(self, start: float, end: float) -> tuple[float, float]:
+        """Wait time (s) within ``[start, end]``, all and inside data phases; forgets the waits. Lock held."""
+        total = in_data = 0.0
+        for wait_start, wait_end, data in self._waits:
+            overlap = max(min(wait_end, end) - max(wait_start, start), 0.0)
+            total += overlap
+            in_data += overlap if data else 0.0
+        self._waits.clear()
+        return total, in_data
 
     def train_step(self, batch_size: float, step_time: float | None = None) -> None:
         """One training step of ``batch_size`` samples taking ``step_time`` seconds without the dispatch wait; by
@@ -259,31 +286,36 @@ class PipelineMonitor:
             return
         with self._lock:
             now = self._tick()
-            wait_s, self._wait_in_step_s = self._wait_in_step_s, 0.0
             last, self._last_step_t = self._last_step_t, now
+            wait_s, _ = self._waited(-math.inf if last is None else last, now)
             if step_time is None and last is not None:
                 step_time = now - last - wait_s
             if step_time is not None:
-                self._add_step(now, batch_size, step_time, 0.0, 0.0)
+                self._add_step(now, batch_size, step_time, wait_s, 0.0, 0.0)
         self._maybe_history(now)
 
     def _scope_step(self, step_ns: int, phases_ns: dict[str, int], samples: int | None) -> None:
-        """A measured step of the linked Scope (called by the Scope after it closes the step)."""
+        """A measured step of the linked Scope (called by the Scope after it closes the step): its time and data
+        phases without the dispatch waits inside them (waits of earlier, warm-up steps are not this step's)."""
         data_s = sum(phases_ns.get(p, 0) for p in DATA_PHASES) / 1e9
         compute_s = sum(phases_ns.get(p, 0) for p in COMPUTE_PHASES) / 1e9
+        step_s = step_ns / 1e9
         with self._lock:
             now = self._tick()
-            wait_s, self._wait_in_step_s = self._wait_in_step_s, 0.0
-            # The wait is usually inside a data phase (the trainer fetches from the pool): it is not data loading.
-            self._add_step(now, samples or 0, step_ns / 1e9 - wait_s, max(data_s - wait_s, 0.0), compute_s)
+            wait_s, wait_in_data_s = self._waited(now - step_s, now)
+            data_s = max(data_s - wait_in_data_s, 0.0)
+            self._add_step(now, samples or 0, step_s - wait_s, wait_s, data_s, compute_s)
         self._maybe_history(now)
 
-    def _add_step(self, now: float, samples: float, step_s: float, data_s: float, compute_s: float) -> None:
+    def _add_step(
+        self, now: float, samples: float, step_s: float, wait_s: float, data_s: float, compute_s: float
+    ) -> None:
         bucket = self._bucket(now)
         if step_s > 0 and samples > 0:
             bucket.train_samples += samples
             bucket.train_s += step_s
             bucket.train_steps += 1
+            bucket.step_wait_s += wait_s
             bucket.data_s += data_s
             bucket.compute_s += compute_s
 
@@ -303,8 +335,8 @@ class PipelineMonitor:
             snap.infer_batch_time_s = totals.infer_s / totals.infer_calls
         if totals.train_s > 0:
             snap.train_capacity = totals.train_samples / totals.train_s
-        if totals.train_steps:
-            snap.dispatch_wait_s = totals.wait_s / totals.train_steps
+        if totals.train_steps:  # the waits inside the steps counted (not those of warm-up steps)
+            snap.dispatch_wait_s = totals.step_wait_s / totals.train_steps
         elif totals.waits:
             snap.dispatch_wait_s = totals.wait_s / totals.waits
         if span > 0:
@@ -325,12 +357,12 @@ class PipelineMonitor:
             totals.train_steps,
         )
         snap.samples_in, snap.samples_out = samples_in, samples_out
-        busy = totals.wait_s + totals.train_s
+        busy = totals.step_wait_s + totals.train_s
         figures = Figures(
             infer_capacity=snap.infer_capacity,
             train_capacity=snap.train_capacity,
             dispatch_wait_s=snap.dispatch_wait_s,
-            wait_share=totals.wait_s / busy if busy > 0 else None,
+            wait_share=totals.step_wait_s / busy if busy > 0 else None,
             pool=snap.pool,
             pool_trend=snap.pool_trend,
             slot_busy=snap.slot_busy,
@@ -358,7 +390,7 @@ class PipelineMonitor:
             return
         snap, _ = self._figures(now)
         point = {
-            "t_s": now - (self._first_t or now),
+            "t_s": now - (now if self._first_t is None else self._first_t),
             "infer_capacity": snap.infer_capacity,
             "train_capacity": snap.train_capacity,
             "thru": snap.thru,

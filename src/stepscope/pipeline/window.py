@@ -25,6 +25,7 @@ class Totals:
     train_samples: float = 0.0
     train_s: float = 0.0  # step time with the dispatch wait taken out
     train_steps: int = 0
+    step_wait_s: float = 0.0  # the dispatch waits inside those steps
     data_s: float = 0.0  # of train_s, in data fetch and transfer (from a linked Scope's phases)
     compute_s: float = 0.0  # of train_s, in forward, backward and the optimizer (from a linked Scope)
     wait_s: float = 0.0
@@ -55,7 +56,8 @@ class Window:
 
     def at(self, t: float) -> Totals:
         """The bucket holding time ``t`` (s), to add an event into. Events come mostly in time order; one reported
-        late (an engine on another machine) goes into its own time's bucket, or the oldest kept one."""
+        late (an engine on another machine) goes into its own time's bucket, and one older than the window into a
+        bucket that is dropped."""
         index = int(t // self.bucket_s)
         buckets = self._buckets
         if buckets and buckets[-1][0] == index:
@@ -70,15 +72,18 @@ class Window:
 
     def _earlier(self, index: int) -> Totals:
         buckets = self._buckets
+        totals = Totals()
+        if index <= buckets[-1][0] - BUCKETS:  # already out of the window
+            return totals
         for position in range(len(buckets) - 1, -1, -1):
             held = buckets[position][0]
             if held == index:
                 return buckets[position][1]
             if held < index:
-                totals = Totals()
                 buckets.insert(position + 1, (index, totals))
                 return totals
-        return buckets[0][1]
+        buckets.appendleft((index, totals))
+        return totals
 
     def totals(self, now: float) -> tuple[Totals, float]:
         """The sums over the window ending at ``now`` (s), and the time (s) at which that window starts."""
