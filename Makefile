@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Users bring their own torch; this pins the CPU build used for development and CI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo doctor-demo test lint bench docs clean
+.PHONY: demo doctor-demo test lint bench docs clean chromium
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,20 @@ demo: $(VENV)/.installed
 doctor-demo: $(VENV)/.installed
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
-test: $(VENV)/.installed lint
+test: $(VENV)/.installed lint chromium
 	$(PY) -m pytest -q
+
+# The HTML report's render test loads the page in headless Chromium. Install Debian's when it is missing and
+# apt-get can (CI runs as root on a fresh machine); where it cannot, the set-up goes on and that test skips.
+chromium:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "chromium could not be installed: the HTML render test will skip"; \
+	  else \
+	    echo "no chromium and no apt-get: the HTML render test will skip"; \
+	  fi; \
+	fi
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench examples

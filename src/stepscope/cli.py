@@ -32,6 +32,7 @@ _VALUED = {
     "--warmup",
     "--steps",
     "--json",
+    "--html",
     "--batch-size",
     "--checkpoint-s",
     "--sample-hz",
@@ -148,7 +149,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         summary.to_json(args.json)
         print(f"summary written to {args.json}")
+    if args.html:
+        _write_html(summary, args.html)
     return code
+
+
+def _report(args: argparse.Namespace) -> int:
+    _write_html(RunSummary.from_json(args.summary), args.html)
+    return 0
+
+
+def _write_html(summary: RunSummary, path: str) -> None:
+    from stepscope.report.html import write_html
+
+    try:
+        write_html(summary, path)
+    except OSError as error:
+        raise UsageError(f"--html {path}: cannot write the report ({error.strerror}).") from None
+    print(f"report written to {path}")
 
 
 def _py_spy_out(path_text: str | None) -> Path | None:
@@ -251,6 +269,8 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         summary.to_json(args.json)
         print(f"summary written to {args.json}")
+    if args.html:
+        _write_html(summary, args.html)
     return code
 
 
@@ -343,6 +363,7 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
     verb.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
     verb.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop (default 200)")
     verb.add_argument("--json", metavar="PATH", help="write the RunSummary here")
+    verb.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
     verb.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
     verb.add_argument(
         "--checkpoint-s",
@@ -422,6 +443,31 @@ def _trace(args: argparse.Namespace) -> int:
     return 0 if analysis.ranks else 1
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from stepscope.analyses.scale import ScaleError, analyze_scale
+    from stepscope.report.scale import print_scale, read_runs
+
+    try:
+        runs, skipped = read_runs(args.paths, args.by)
+        report = analyze_scale(runs, by=args.by, skipped=skipped)
+    except ScaleError as error:
+        for skip in error.skipped:
+            print(f"stepscope: skipped: {skip.reason}", file=sys.stderr)
+        raise UsageError(f"{error}.") from None
+    print_scale(report)
+    try:
+        if args.json:
+            _write_json(args.json, report.to_dict(), "scaling table")
+        if args.html:
+            from stepscope.report.scale_html import write_scale_html
+
+            write_scale_html(report, args.html)
+            print(f"scaling report written to {args.html}")
+    except OSError as error:
+        raise UsageError(f"cannot write {error.filename}: {error.strerror}.") from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepscope", description="Where does my PyTorch training step time go, and what to fix first."
@@ -431,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print the phase table of a saved summary JSON")
     show.add_argument("summary", help="path to a summary written by Scope.summary().to_json() or --json")
     show.set_defaults(func=_show)
+    report = commands.add_parser("report", help="write the HTML report of a saved summary JSON")
+    report.add_argument("summary", help="path to a summary written by --json or Scope.summary().to_json()")
+    report.add_argument("--html", metavar="PATH", required=True, help="write the self-contained HTML page here")
+    report.set_defaults(func=_report)
 
     run = commands.add_parser(
         "run",
@@ -510,6 +560,21 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--interval-s", type=float, default=0.5, help="seconds between two dumps (default 0.5)")
     dump.add_argument("--json", metavar="PATH", help="write the threads, stacks and verdict here")
     dump.set_defaults(func=_dump)
+
+    scale = commands.add_parser(
+        "scale",
+        help="compare run summaries across world sizes: samples/s, speedup, efficiency, and the phase that grows",
+    )
+    scale.add_argument("paths", nargs="+", metavar="SUMMARY", help="summary files (--json of run) or folders of them")
+    scale.add_argument(
+        "--by",
+        metavar="LABEL",
+        help="also group by LABEL: --LABEL VALUE or LABEL=VALUE in the run's command, else a LABEL=VALUE folder or "
+        "file name; 'folder' groups by the folder that holds each summary",
+    )
+    scale.add_argument("--json", metavar="PATH", help="write the scaling table here")
+    scale.add_argument("--html", metavar="PATH", help="write a self-contained HTML page with the table and charts")
+    scale.set_defaults(func=_scale)
     return parser
 
 
