@@ -468,6 +468,34 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+AB_USAGE = (
+    "stepscope ab [--repeats 5] [--steps 100] [--warmup 20] [--json PATH] [--fail-if-slower PCT] "
+    "--variant 'NAME=[VAR=VALUE ...] COMMAND' --variant 'NAME=...' [--variant ...]"
+)
+
+
+def _ab(args: argparse.Namespace) -> int:
+    from stepscope.analyses.ab import Settings, exit_status
+    from stepscope.instrument.ab import parse_variants, run_ab
+    from stepscope.report.ab import print_ab
+
+    if args.fail_if_slower is not None and args.fail_if_slower < 0:
+        raise UsageError(f"--fail-if-slower must be a percentage >= 0, got {args.fail_if_slower:g}.")
+    try:
+        variants = parse_variants(args.variant or [])
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    result = run_ab(variants, Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup))
+    sys.stdout.flush()
+    print_ab(result)
+    if args.json:
+        _write_json(args.json, result.to_dict(), "A/B results")
+    code, sentences = exit_status(result, args.fail_if_slower)
+    for sentence in sentences:
+        print(f"stepscope: {sentence}", file=sys.stderr)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepscope", description="Where does my PyTorch training step time go, and what to fix first."
@@ -575,6 +603,29 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--json", metavar="PATH", help="write the scaling table here")
     scale.add_argument("--html", metavar="PATH", help="write a self-contained HTML page with the table and charts")
     scale.set_defaults(func=_scale)
+    ab = commands.add_parser(
+        "ab",
+        help="did my change help? run variants interleaved and compare sec/step with a confidence interval",
+        usage=AB_USAGE,
+    )
+    ab.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=COMMAND",
+        help="a variant: its name, '=', then its command as in a shell (leading VAR=VALUE words set its "
+        "environment); the first is the baseline; repeat for each variant",
+    )
+    ab.add_argument("--repeats", type=_int_at_least(1), default=5, help="runs of each variant (default 5)")
+    ab.add_argument("--steps", type=_int_at_least(1), default=100, help="steps measured per run (default 100)")
+    ab.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps skipped per run (default 20)")
+    ab.add_argument("--json", metavar="PATH", help="write the variants, runs and comparisons here")
+    ab.add_argument(
+        "--fail-if-slower",
+        type=float,
+        metavar="PCT",
+        help="exit 1 when a variant is slower than the first by more than PCT%% with confidence (a CI gate)",
+    )
+    ab.set_defaults(func=_ab)
     return parser
 
 

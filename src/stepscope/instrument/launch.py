@@ -61,13 +61,13 @@ def command_target(command: list[str]) -> Target:
     return Target(list(command), launcher=True)
 
 
-def _child_env(config: RunConfig) -> dict[str, str]:
+def _child_env(config: RunConfig, extra: dict[str, str] | None = None) -> dict[str, str]:
     import stepscope
 
     site = Path(__file__).parent / "site"
     package_root = Path(stepscope.__file__).resolve().parent.parent
-    existing = os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ)
+    env = {**os.environ, **(extra or {})}
+    existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(package_root), *([existing] if existing else [])])
     env[ENV_CONFIG] = json.dumps(dataclasses.asdict(config))
     return env
@@ -108,19 +108,22 @@ def _rank_pids(out_dir: Path) -> dict[int, int]:
     return {int(match[2]): int(match[1]) for match in found if match}
 
 
-def run(target: Target, config: RunConfig, py_spy: Path | None = None) -> tuple[int, RunSummary]:
+def run(
+    target: Target, config: RunConfig, py_spy: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int, RunSummary]:
     """Run the target instrumented; returns its exit code and the (merged) summary. With ``py_spy``, py-spy
-    records a flame graph of the whole command there (see pyspy.py); it never changes the run."""
+    records a flame graph of the whole command there (see pyspy.py); it never changes the run. ``env`` adds to
+    (or overrides) stepscope's own environment for the command, as ``VAR=VALUE command`` does in a shell."""
     out_dir = Path(tempfile.mkdtemp(prefix="stepscope-run-"))
     config = dataclasses.replace(config, out_dir=str(out_dir), launcher=target.launcher, parent_pid=os.getpid())
     try:
-        env = _child_env(config)
+        child_env = _child_env(config, env)
         try:
             process: subprocess.Popen[bytes] | RecordedProcess
             if py_spy is None:
-                process = subprocess.Popen(target.argv, env=env)
+                process = subprocess.Popen(target.argv, env=child_env)
             else:
-                process = RecordedProcess(target.argv, env, py_spy)
+                process = RecordedProcess(target.argv, child_env, py_spy)
         except OSError as error:
             raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
         code = _wait(process)

@@ -1,0 +1,133 @@
+"""``stepscope ab``'s side that runs things: parse ``NAME=COMMAND`` variants and run them interleaved, each exactly
+as ``stepscope run`` would (the same launcher, instrumentation and summary), then hand the summaries to
+analyses/ab.py.
+
+A variant's command is split as a shell would (shlex): its leading ``VAR=VALUE`` words set the command's
+environment, the rest is what ``stepscope run`` takes — ``python SCRIPT.py ARGS`` or ``SCRIPT.py ARGS`` (run with
+the Python that runs stepscope, as ``stepscope run SCRIPT.py`` does), ``python -m MODULE ARGS``, or any launcher
+(``torchrun ...``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stepscope.analyses.ab import ABResult, RunFigures, Settings, ab_result, run_figures, variant_result
+from stepscope.instrument import LaunchError, launch
+from stepscope.instrument.tracker import RunConfig
+
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_PYTHON = re.compile(r"python[0-9.]*")  # a bare interpreter name: python, python3, python3.11
+# A run that a person or a job manager stopped (its summary says so, or the shell's 128+SIGINT, 128+SIGTERM ended
+# a process that wrote none): the A/B stops there.
+_STOPPED_REASONS = ("interrupted", "terminated")
+_STOPPED_CODES = (130, 143)
+# Host and GPU sampling period, s: 4 Hz, like `stepscope doctor`, so that a short run still has samples for its
+# peak memory.
+SAMPLE_INTERVAL_S = 0.25
+
+
+@dataclass
+class Variant:
+    """One side of the comparison: its name, its command as given, the environment it sets, what to run."""
+
+    name: str
+    command: str
+    env: dict[str, str]
+    target: launch.Target
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME=[VAR=VALUE ...] COMMAND ...`` into a Variant; ValueError (bad form) or LaunchError (a script that
+    does not exist, a launcher not on PATH) says what is wrong."""
+    name, sep, command = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"--variant {text!r} is not NAME=COMMAND, e.g. --variant 'base=python train.py --bs 16'.")
+    try:
+        words = shlex.split(command)
+    except ValueError as error:
+        raise ValueError(f"variant {name}: cannot split its command ({error}).") from None
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if not words:
+        raise ValueError(f"variant {name} has no command after its environment, e.g. {name}=python train.py.")
+    try:
+        target = _target(words)
+    except LaunchError as error:
+        raise LaunchError(f"variant {name}: {error}") from None
+    return Variant(name, command.strip(), env, target)
+
+
+def _target(words: list[str]) -> launch.Target:
+    """The Target ``stepscope run`` would build for these words."""
+    if _PYTHON.fullmatch(words[0]) and len(words) > 1:
+        first, rest = words[1], words[2:]
+        if first == "-m":
+            return _module(rest)
+        if not first.startswith("-"):
+            return launch.script_target(first, rest)
+        return launch.command_target(words)  # interpreter options (python -X ...): the command as written
+    first, rest = words[0], words[1:]
+    if first == "-m":
+        return _module(rest)
+    if first.endswith(".py"):
+        return launch.script_target(first, rest)
+    return launch.command_target(words)
+
+
+def _module(words: list[str]) -> launch.Target:
+    if not words:
+        raise ValueError("-m needs a module name, e.g. python -m package.train.")
+    return launch.module_target(words[0], words[1:])
+
+
+def parse_variants(texts: list[str]) -> list[Variant]:
+    """At least two variants with distinct names; the first is the baseline."""
+    if not texts:
+        raise ValueError("no variant: give two or more, e.g. --variant 'base=python train.py' --variant 'new=...'.")
+    variants = [parse_variant(text) for text in texts]
+    if len(variants) < 2:
+        raise ValueError(f"only one variant ({variants[0].name}): an A/B needs a second to compare it with.")
+    names = [v.name for v in variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"variant names must differ: {', '.join(twice)} is given more than once.")
+    return variants
+
+
+def run_ab(
+    variants: list[Variant],
+    settings: Settings,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> ABResult:
+    """Run every variant ``settings.repeats`` times interleaved (A B A B ...), so that a drift of the machine
+    (clocks, thermals, a neighbour's load) falls on both alike; then compare. Each run measures ``settings.steps``
+    steps after ``settings.warmup``, then stops. A run interrupted (Ctrl-C, SIGTERM) ends the A/B there: what was
+    measured is still compared."""
+    config = RunConfig(out_dir="", warmup=settings.warmup, steps=settings.steps, system_interval_s=SAMPLE_INTERVAL_S)
+    runs: list[list[RunFigures]] = [[] for _ in variants]
+    total, stopped = settings.repeats * len(variants), None
+    try:
+        for order in range(1, total + 1):
+            index = (order - 1) % len(variants)
+            variant = variants[index]
+            log(f"stepscope ab: run {order}/{total}: {variant.name}")
+            code, summary = launch.run(variant.target, config, env=variant.env)
+            figures = run_figures(summary, code, order)
+            runs[index].append(figures)
+            if figures.failure:
+                log(f"stepscope ab: run {order} ({variant.name}) is left out: {figures.failure}")
+            if figures.exit_reason in _STOPPED_REASONS or code in _STOPPED_CODES:
+                stopped = f"the A/B was stopped during run {order} of {total} (exit code {code}); compared what ran."
+                break
+    except KeyboardInterrupt:
+        stopped = f"the A/B was interrupted after {sum(map(len, runs))} of {total} runs; compared what ran."
+    results = [variant_result(v.name, v.command, v.env, r) for v, r in zip(variants, runs, strict=True)]
+    return ab_result(settings, results, stopped)
