@@ -29,6 +29,7 @@ import stepscope
 from stepscope import NULL_SCOPE, RunSummary, Scope
 from stepscope.pipeline import NULL_PIPELINE, NullPipeline, PipelineMonitor, PipelineSnapshot
 from stepscope.pipeline.monitor import HISTORY_POINTS
+from stepscope.pipeline.verdict import Figures, decide
 
 WINDOW = 100.0  # s: buckets of exactly 1 s; a snapshot at a whole second covers exactly the last 99 s
 
@@ -1312,3 +1313,41 @@ def test_real_threaded_pipeline_training_bound():
     assert snap.pool_trend == approx(snap.inflow - snap.thru)
     assert snap.dispatch_wait_s < 0.005
     assert snap.pool > 500
+
+
+# -- the verdict's agreement checks (pure: verdict.decide) ---------------------------------------------------------
+
+
+def starved(pool_trend: float | None, inflow: float | None = 100.0, wait_share: float = 0.5):
+    """Figures of an inference-bound window (I=100 < T=400) with the given pool trend, inflow and wait share."""
+    return Figures(
+        infer_capacity=100.0,
+        train_capacity=400.0,
+        dispatch_wait_s=0.1,
+        wait_share=wait_share,
+        pool=32,
+        pool_trend=pool_trend,
+        inflow=inflow,
+        slot_busy=1.0,
+        infer_calls=10,
+        infer_errors=0,
+        train_steps=10,
+    )
+
+
+@pytest.mark.parametrize(
+    ("trend", "confidence"),
+    [(0.0, "high"), (9.9, "high"), (-9.9, "high"), (10.1, "medium"), (None, "high")],
+)
+def test_a_pool_trend_within_a_tenth_of_the_inflow_is_not_filling(trend, confidence):
+    # A batch or two more in the pool at the window's edge is not the pool filling: inference stays high-confidence.
+    verdict = decide(starved(trend), tolerance=0.1)
+    assert (verdict.bottleneck, verdict.confidence) == ("inference", confidence)
+
+
+@pytest.mark.parametrize(("trend", "confidence"), [(-9.9, "high"), (-10.1, "medium"), (50.0, "high")])
+def test_a_draining_pool_contradicts_a_training_bound_verdict(trend, confidence):
+    figures = starved(trend, wait_share=0.0)
+    figures.infer_capacity, figures.train_capacity = 400.0, 100.0
+    verdict = decide(figures, tolerance=0.1)
+    assert (verdict.bottleneck, verdict.confidence) == ("training", confidence)

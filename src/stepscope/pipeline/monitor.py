@@ -365,6 +365,7 @@ class PipelineMonitor:
             wait_share=totals.step_wait_s / busy if busy > 0 else None,
             pool=snap.pool,
             pool_trend=snap.pool_trend,
+            inflow=snap.inflow,
             slot_busy=snap.slot_busy,
             infer_calls=totals.infer_calls,
             infer_errors=totals.infer_errors,

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 MIN_EVENTS = 3  # engine calls and training steps in the window below which the verdict has low confidence
 WAITING = 0.05  # the trainer "waits" from 5% of its time spent waiting for samples
+# The pool "fills" (or "drains") when it changes by more than 10% of the inflow: a batch or two more at the window's
+# edge is not a trend.
+POOL_TREND = 0.10
 IDLE_SLOTS = 0.8  # engines busy less than 80% of slot time: the slots are not kept fed
 
 
@@ -27,6 +30,7 @@ class Figures:
     wait_share: float | None  # of the trainer's time (steps + waits)
     pool: float
     pool_trend: float | None
+    inflow: float | None  # samples/s entering the pool
     slot_busy: float | None  # engine time / (slots × window span)
     infer_calls: int
     infer_errors: int
@@ -82,15 +86,18 @@ def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
         return PipelineVerdict(evidence=[f"{' and '.join(missing)} in the last window: not enough data", *errors])
     enough = figures.infer_calls >= MIN_EVENTS and figures.train_steps >= MIN_EVENTS
     waiting = figures.wait_share is not None and figures.wait_share >= WAITING
-    filling = figures.pool_trend is not None and figures.pool_trend > 0
+    trend, inflow = figures.pool_trend, figures.inflow
+    steady = trend is None or (inflow is not None and abs(trend) <= POOL_TREND * inflow)
+    filling = not steady and trend is not None and trend > 0
+    draining = not steady and trend is not None and trend < 0
     wait_text = (
         f"the trainer waited {figures.dispatch_wait_s * 1e3:.0f} ms per step for samples "
         f"({figures.wait_share:.0%} of its time)"
         if figures.dispatch_wait_s is not None and figures.wait_share is not None
         else "the trainer's dispatch wait was not measured"
     )
-    trend = f"{figures.pool_trend:+.1f} samples/s" if figures.pool_trend is not None else "unknown"
-    pool_text = f"the pool holds {figures.pool:.0f} samples (trend {trend})"
+    trend_text = "unknown" if trend is None else f"{trend:+.1f} samples/s"
+    pool_text = f"the pool holds {figures.pool:.0f} samples (trend {trend_text})"
     capacities = f"inference capacity I={_rate(infer)}, training capacity T={_rate(train)}"
     if abs(infer - train) <= tolerance * max(infer, train):
         verdict = PipelineVerdict(
@@ -118,7 +125,7 @@ def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
             wait_text,
             pool_text,
         ]
-        agree = not waiting and (figures.pool_trend is None or figures.pool_trend >= 0)
+        agree = not waiting and not draining
         verdict = PipelineVerdict("training", "high" if agree else "medium", evidence=evidence)
         side, sentence = training_side(figures.data_s, figures.compute_s)
         verdict.training_side = side
