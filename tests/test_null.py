@@ -1,11 +1,9 @@
 """A disabled Scope is the shared null object: no work, no allocation, and the environment can flip it."""
 
-import gc
 import io
-import os
-import tracemalloc
 
 import pytest
+from allocations import growth
 
 import stepscope
 from stepscope import NULL_SCOPE, NullScope, Scope
@@ -94,40 +92,14 @@ def _loop(scope, n):
 
 def test_disabled_scope_allocates_nothing_per_call():
     scope = Scope(enabled=False)
-    _loop(scope, 10)  # warm any lazily created state
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
-        current_before, _ = tracemalloc.get_traced_memory()
-        tracemalloc.reset_peak()
-        _loop(scope, 10_000)
-        current_after, peak = tracemalloc.get_traced_memory()
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    stepscope_dir = os.path.dirname(stepscope.__file__)
-    grown = [
-        stat
-        for stat in after.compare_to(before, "filename")
-        if stat.traceback[0].filename.startswith(stepscope_dir) and stat.count_diff != 0
-    ]
-    assert grown == []
+    grown = growth(lambda n: _loop(scope, n), 10_000)
+    assert grown.grown_files == []
     # 40k calls: even one retained 16-byte block per call would be 640 kB; allow only bookkeeping noise.
-    assert current_after - current_before < 4096
-    assert peak - current_before < 4096
+    assert grown.kept < 4096
+    assert grown.peak < 4096
 
 
 def test_enabled_scope_is_seen_by_the_allocation_check(clock):
     """The measurement above can fail: an enabled scope that keeps per-step records grows by thousands of blocks."""
     scope = Scope(clock=clock, warmup=0, window=10_000, exact_limit=100_000, timing="host")
-    _loop(scope, 10)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        current_before, _ = tracemalloc.get_traced_memory()
-        _loop(scope, 2_000)
-        current_after, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert current_after - current_before > 50_000
+    assert growth(lambda n: _loop(scope, n), 2_000).kept > 50_000

@@ -88,16 +88,15 @@ def _fmt_rate(value: float) -> str:
     return f"{value:,.1f}"
 
 
-def config_table(group: ScaleGroup, ascii_only: bool = False) -> Table:
-    """One row per world size: repeats, batch per rank, samples/s (median and range), speedup, efficiency, step
-    time, and time per epoch and energy per sample when any configuration has them."""
+def config_rows(group: ScaleGroup) -> tuple[list[str], list[list[str]]]:
+    """The scaling table as text, one row per world size: repeats, batch per rank, samples/s (median and range),
+    speedup, efficiency, step time, and time per epoch and energy per sample when any configuration has them.
+    Returns (headers, rows); the terminal and the HTML page both show these."""
     epochs = any(c.epoch_s is not None for c in group.configs)
     energy = any(c.energy_per_sample_j is not None for c in group.configs)
-    table = _table(ascii_only)
     headers = ["ranks", "runs", "batch/rank", "samples/s", "range", "speedup", "efficiency", "step ms"]
     headers += ["epoch s"] * epochs + ["J/sample"] * energy
-    for header in headers:
-        table.add_column(header, justify="right", no_wrap=True)
+    rows = []
     for c in group.configs:
         rate = c.samples_per_s
         row = [
@@ -114,6 +113,17 @@ def config_table(group: ScaleGroup, ascii_only: bool = False) -> Table:
             row.append("-" if c.epoch_s is None else f"{c.epoch_s:,.1f}")
         if energy:
             row.append("-" if c.energy_per_sample_j is None else f"{c.energy_per_sample_j:.4g}")
+        rows.append(row)
+    return headers, rows
+
+
+def config_table(group: ScaleGroup, ascii_only: bool = False) -> Table:
+    """``config_rows`` as a terminal table."""
+    headers, rows = config_rows(group)
+    table = _table(ascii_only)
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in rows:
         table.add_row(*row)
     return table
 

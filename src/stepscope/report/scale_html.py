@@ -12,7 +12,7 @@ from pathlib import Path
 
 from stepscope import __version__
 from stepscope.analyses.scale import ScaleGroup, ScaleReport
-from stepscope.report.scale import scaling_words
+from stepscope.report.scale import config_rows, scaling_words
 from stepscope.report.svg import esc, line_chart
 
 _CSS = """
@@ -33,29 +33,11 @@ details { margin-top: .6em; color: #555; }
 
 
 def _rows(group: ScaleGroup) -> str:
-    """The configurations as an HTML table (the terminal table's columns)."""
-    epochs = any(c.epoch_s is not None for c in group.configs)
-    energy = any(c.energy_per_sample_j is not None for c in group.configs)
-    headers = ["ranks", "runs", "batch/rank", "samples/s", "range", "speedup", "efficiency", "step ms"]
-    headers += ["epoch s"] * epochs + ["J/sample"] * energy
+    """The configurations as an HTML table (the terminal table's rows)."""
+    headers, rows = config_rows(group)
     lines = ["<table><thead><tr>", *(f"<th>{esc(h)}</th>" for h in headers), "</tr></thead><tbody>"]
-    for c in group.configs:
-        rate = c.samples_per_s
-        cells = [
-            str(c.world_size),
-            str(len(c.sources)),
-            f"{round(c.batch_per_rank, 1):g}",
-            f"{rate.median:,.1f}",
-            "-" if len(c.sources) == 1 else f"{rate.low:,.1f}–{rate.high:,.1f}",
-            f"{c.speedup:.2f}×",
-            f"{100 * c.efficiency:.0f}%",
-            f"{c.step_ms:.1f}",
-        ]
-        if epochs:
-            cells.append("-" if c.epoch_s is None else f"{c.epoch_s:,.1f}")
-        if energy:
-            cells.append("-" if c.energy_per_sample_j is None else f"{c.energy_per_sample_j:.4g}")
-        lines += ["<tr>", *(f"<td>{esc(cell)}</td>" for cell in cells), "</tr>"]
+    for row in rows:
+        lines += ["<tr>", *(f"<td>{esc(cell)}</td>" for cell in row), "</tr>"]
     lines.append("</tbody></table>")
     return "".join(lines)
 
