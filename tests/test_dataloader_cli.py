@@ -139,10 +139,12 @@ def test_iterable_dataset_without_len(tmp_path):
 
 
 def test_sweep_finds_that_workers_help(tmp_path):
-    # 2 ms of CPU per sample, batches of 8: workers on the second core roughly double the rate.
+    # 2 ms of sleep per sample, batches of 8: workers overlap the waits whatever the load on the machine's cores
+    # (the CPU-bound case, which needs a free core, is tests/test_loader.py's).
     r = stepscope_dataloader(
         tmp_path,
         script("loader_train_val.py"),
+        "--sleep",
         "--sample-ms",
         "2",
         "--batch-size",

@@ -1,6 +1,7 @@
 """A training script with two loaders: a validation loader (256 samples) built first, then a train loader.
 
-Every sample busy-waits --sample-ms in __getitem__ (CPU-bound work, like decoding). `stepscope dataloader` should
+Every sample busy-waits --sample-ms in __getitem__ (CPU-bound work, like decoding), or with --sleep sleeps that long
+(I/O-bound work, like reading from storage). `stepscope dataloader` should
 measure the largest loader (the train one) at its first iteration and stop the script before it trains; the line
 "loader_train_val: trained" is printed only after training.
 """
@@ -15,16 +16,20 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class BusyDataset(Dataset):
-    def __init__(self, n: int, sample_ms: float) -> None:
+    def __init__(self, n: int, sample_ms: float, sleep: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 16, generator=g)
         self.y = torch.randint(0, 4, (n,), generator=g)
         self.sample_s = sample_ms / 1000
+        self.sleep = sleep
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
+        if self.sleep:
+            time.sleep(self.sample_s)
+            return self.x[i], self.y[i]
         end = time.perf_counter() + self.sample_s
         while time.perf_counter() < end:
             pass
@@ -34,6 +39,7 @@ class BusyDataset(Dataset):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sample-ms", type=float, default=0.5)
+    parser.add_argument("--sleep", action="store_true", help="samples sleep (I/O-bound) instead of busy-waiting")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--train-samples", type=int, default=4096)
@@ -44,9 +50,9 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    val = DataLoader(BusyDataset(args.val_samples, args.sample_ms), batch_size=args.batch_size)
+    val = DataLoader(BusyDataset(args.val_samples, args.sample_ms, args.sleep), batch_size=args.batch_size)
     train = DataLoader(
-        BusyDataset(args.train_samples, args.sample_ms),
+        BusyDataset(args.train_samples, args.sample_ms, args.sleep),
         batch_size=args.batch_size,
         shuffle=True,
         num_workers=args.num_workers,
