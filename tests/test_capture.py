@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -407,6 +408,55 @@ def test_run_trace_leaves_the_profiled_steps_out_of_the_per_step_counts(tmp_path
         assert s.counters[name] == pytest.approx(1.0), (name, s.counters)
 
 
+def test_run_trace_stores_the_highlights_in_the_summary_and_the_page(tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    stale = traces / "rank0.step90-92.pt.trace.json.gz"  # an earlier run's capture in the same folder
+    stale.write_bytes(gzip.compress(b'{"traceEvents": []}'))
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    page = tmp_path / "page.html"
+    r = stepscope_run(
+        tmp_path, "--trace", str(traces), "--trace-window", "0:1:2", "--html", str(page), script("basic.py"),
+        warmup=2, steps=8,
+    )  # fmt: skip
+    assert r.returncode == 0, r.describe()
+    trace = r.summary.trace
+    assert trace["folder"] == str(traces.resolve()) and trace["skipped"] == [], trace
+    (rank,) = trace["ranks"]
+    assert (rank["rank"], rank["file"], rank["steps"]) == (0, "rank0.step3-4.pt.trace.json.gz", 1), rank
+    assert {"data_wait", "forward", "backward", "optimizer"} <= set(rank["phases_ms"]), rank["phases_ms"]
+    assert rank["data_loading"]["per_step_ms"] > 0 and rank["verdict"]["bound"]
+    if not CUDA:
+        assert rank["cpu"]["computation_pct"] > 0 and rank["idle_pct"] is None
+    assert trace["warnings"] == [
+        "1 trace file(s) older than this run were left out: rank0.step90-92.pt.trace.json.gz"
+    ], "only this run's capture"  # fmt: skip
+    text = page.read_text()
+    section = text[text.index('<section id="trace">') : text.index('<section id="run">')]  # before the run's section
+    assert "<h2>Trace highlights</h2>" in section and "<td>rank 0</td>" in section
+
+
+def test_run_trace_that_wrote_no_trace_keeps_the_run_and_says_why(tmp_path):
+    traces = tmp_path / "traces"
+    page = tmp_path / "page.html"
+    r = stepscope_run(
+        tmp_path, "--trace", str(traces), "--trace-window", "3:1:2", "--html", str(page), script("basic.py"),
+        warmup=2, steps=2,
+    )  # fmt: skip
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.steps.measured == 2 and s.trace == {}, s
+    note = (
+        f"The run wrote no trace to {traces.resolve()} (it ended before the profiler's window, --trace-window, "
+        "recorded a step), so the summary has no trace highlights."
+    )
+    assert note in s.notes, s.notes
+    assert note in one_line(r.stdout), r.describe()  # the terminal report prints the notes
+    text = page.read_text()
+    assert '<section id="trace">' not in text and "The run wrote no trace to" in text
+
+
 @pytest.mark.parametrize("window", ["1:1", "0:0:0", "1:1:0:1", "a:b:c", "1:-1:2", "1:1:2:3:4"])
 def test_run_refuses_a_bad_trace_window_before_the_script_runs(tmp_path, window):
     r = stepscope_run(tmp_path, "--trace", str(tmp_path / "t"), "--trace-window", window, script("basic.py"))
@@ -444,6 +494,7 @@ def test_doctor_takes_the_trace_options_too(tmp_path):
     assert r.returncode == 0, r.describe()
     assert trace_files(traces) == ["rank0.step3-3.pt.trace.json.gz"], r.describe()
     assert r.summary.steps.profiled == 2 and r.summary.steps.measured == 6
+    assert [rank["file"] for rank in r.summary.trace["ranks"]] == ["rank0.step3-3.pt.trace.json.gz"]
 
 
 def test_torchrun_ranks_write_their_own_traces(tmp_path):

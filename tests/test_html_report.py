@@ -9,8 +9,18 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from chromium import find_chromium, load_page
+from kineto import Kineto
 from run_helpers import script, stepscope_run
 
+from stepscope.analyses.trace.analyze import (
+    CpuShare,
+    DataLoading,
+    KernelStat,
+    RankTrace,
+    TraceAnalysis,
+    TraceFileStatus,
+)
+from stepscope.analyses.trace.highlights import highlights
 from stepscope.cli import _split_run, build_parser, main
 from stepscope.report import svg
 from stepscope.report.html import render_html, write_html
@@ -134,6 +144,34 @@ PIPELINE = {
 }  # fmt: skip
 
 
+def trace_analysis() -> TraceAnalysis:
+    """Two GPU ranks of one job: rank 1 straggles; a kernel and a skipped file carry EVIL (names come from the run)."""
+    kernels = [
+        KernelStat(f"gemm_{EVIL}", "computation", 120, 84_000.0, 700.0, 70.0),
+        KernelStat("ncclKernel_AllReduce_RING_LL_Sum_float", "communication", 40, 24_000.0, 600.0, 20.0),
+        KernelStat("Memcpy HtoD (Pageable -> Device)", "memory", 40, 12_000.0, 300.0, 10.0),
+    ]
+    ranks = [
+        RankTrace(rank, f"/runs/traces/rank{rank}.step4-6.pt.trace.json.gz", "/runs/traces", "distributedInfo",
+                  "cuda", steps=2, step_ms=60.0 + 12 * rank, kernel_span_ms=118.0 + 24 * rank,
+                  idle_pct=12.5 + 10 * rank, compute_pct=70.0 - 10 * rank, non_compute_pct=17.5, overlap_pct=40.0,
+                  exposed_comm_pct=8.0, idle_breakdown={"host_wait_pct": 60.0, "kernel_wait_pct": 5.0,
+                                                        "other_pct": 35.0},
+                  top_kernels=kernels, data_loading=DataLoading(2, 3.5, 5.8, 90.0),
+                  phases_ms={"forward": 20.0, "backward": 38.0}, notes=[f"rank note {EVIL}"],
+                  verdict=Verdict("compute", "medium", ["computation kernels run 70% of the kernel span"]))
+        for rank in (0, 1)
+    ]  # fmt: skip
+    files = [TraceFileStatus(r.file, True, rank=r.rank) for r in ranks]
+    files.append(TraceFileStatus(f"/runs/traces/{EVIL}.json", False, "the file is empty"))
+    straggler = {"job": "/runs/traces", "rank": 1, "step_ms": 72.0, "median_step_ms": 60.0, "slower_pct": 20.0,
+                 "why": "GPU idle: +9.84 ms per step over the other ranks' median"}  # fmt: skip
+    return TraceAnalysis(
+        ranks, files, Verdict("compute", "medium", ["2 of 2 ranks are compute-bound"]), stragglers=[straggler],
+        warnings=[f"a warning {EVIL}"],
+    )  # fmt: skip
+
+
 def multi_rank_summary(pipeline: bool = True) -> RunSummary:
     """A merged two-rank CUDA doctor summary: rank 1 straggles in data_wait; fixes, notes and names carry EVIL."""
     ranks = [rank_summary(0, 10.0), rank_summary(1, 24.0)]
@@ -174,6 +212,7 @@ def multi_rank_summary(pipeline: bool = True) -> RunSummary:
                                   "persistent_workers": True}, "samples_per_s": 9000.0, "gain": 5.0},
         },
         pipeline=dict(PIPELINE) if pipeline else {},
+        trace=highlights(trace_analysis(), "/runs/traces"),
     )  # fmt: skip
 
 
@@ -228,7 +267,9 @@ def test_every_user_string_is_escaped_never_raw():
 
 def test_a_full_summary_has_every_section_in_order():
     page = render_html(multi_rank_summary())
-    assert section_ids(page) == ["verdict", "fixes", "phases", "step-time", "system", "capacity", "pipeline", "run"]
+    assert section_ids(page) == [
+        "verdict", "fixes", "phases", "step-time", "system", "capacity", "pipeline", "trace", "run"
+    ]  # fmt: skip
     assert '<span class="bound bound-data">data</span>' in page
     assert "confidence high" in page
     assert "Straggler: rank 1, data_wait +14.0 ms" in page
@@ -282,6 +323,54 @@ def test_pipeline_section_present_and_absent():
     assert "Rates over time" in section and "Pool over time" in section
     assert "inference capacity" in section and "900 samples/s" in section
     assert "pipeline" not in section_ids(render_html(multi_rank_summary(pipeline=False)))
+
+
+def test_trace_section_shows_ranks_kernels_stragglers_verdict_and_skipped_files():
+    page = render_html(multi_rank_summary())
+    section = section_of(page, "trace")
+    assert "<code>/runs/traces</code>" in section
+    assert "Trace verdict: <b>compute</b>" in section and "2 of 2 ranks are compute-bound" in section
+    rows = re.findall(r"<tr><td>(rank \d)</td>(.*?)</tr>", section)
+    assert [label for label, _ in rows] == ["rank 0", "rank 1"]
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", rows[1][1])
+    # bound, steps, step ms, idle, compute, non-compute, host wait, kernel wait, overlap, exposed comm, data ms/step
+    assert cells == ["compute", "2", "72.0", "22.5", "60.0", "17.5", "60.0", "5.0", "40.0", "8.0", "3.500"]
+    assert "ATen ops %" not in section  # GPU traces
+    (chart,) = svgs(section)
+    assert chart.get("aria-label") == "GPU time by kind, % of the kernel span"
+    titles = [t.text for t in chart.iter("{http://www.w3.org/2000/svg}title")]
+    assert "rank 1 · idle: 22.5% (31.9 ms of a 142.0 ms kernel span)" in titles
+    assert "<h3>Top kernels, rank 0</h3>" in section
+    assert f'<td>gemm_{EVIL_ESCAPED}</td><td>computation</td><td class="num">120</td>' in section
+    assert "rank 1: 72.0 ms per step, 20.0% above the median of the other ranks (60.0 ms); GPU idle" in section
+    assert f"rank 0: rank note {EVIL_ESCAPED}" in section and f"a warning {EVIL_ESCAPED}" in section
+    assert f"<li>{EVIL_ESCAPED}.json: the file is empty</li>" in section
+    assert "<script" not in section and "alert(1)</" not in section
+
+
+def test_trace_section_absent_without_analysed_ranks():
+    assert "trace" not in section_ids(render_html(cpu_summary()))
+    nothing = RunSummary(trace={"folder": "/t", "ranks": [], "skipped": [{"file": "a.json", "reason": "empty"}]})
+    assert section_ids(render_html(nothing)) == ["verdict", "run"]
+
+
+def test_trace_section_of_a_cpu_only_trace_has_no_gpu_columns_or_chart():
+    rank = RankTrace(0, "/t/rank0.json", "/t", "file name", "cpu", steps=2, step_ms=5.0,
+                     data_loading=DataLoading(2, 1.0, 20.0, None), cpu=CpuShare(1, 10.0, 35.0, 65.0),
+                     verdict=Verdict("data", "medium", ["DataLoader spans take 1.0 ms per step"]))  # fmt: skip
+    page = render_html(RunSummary(trace=highlights(TraceAnalysis([rank], [], rank.verdict), "/t")))
+    section = section_of(page, "trace")
+    assert svgs(section) == [] and "idle %" not in section and "Top kernels" not in section
+    assert re.findall(r"<th[^>]*>([^<]*)</th>", section) == ["rank", "bound", "steps", "step ms", "data ms/step",
+                                                             "ATen ops %"]  # fmt: skip
+    assert "<td>rank 0</td><td>data</td>" in section and ">35.0</td>" in section
+
+
+def test_trace_labels_name_the_file_when_files_share_a_rank():
+    analysis = trace_analysis()
+    analysis.ranks[1].rank = 0
+    section = section_of(render_html(RunSummary(trace=highlights(analysis, "/runs/traces"))), "trace")
+    assert "<td>rank 0 · rank1.step4-6.pt.trace.json.gz</td>" in section
 
 
 def test_the_pipeline_fixture_has_the_monitors_layout():
@@ -424,6 +513,56 @@ def test_report_needs_html(tmp_path, capsys):
     assert "--html" in capsys.readouterr().err
 
 
+def hostile_trace() -> Kineto:
+    """Three 1 ms steps, each a 400 µs kernel whose name is EVIL (kernel names come from user and compiler code)."""
+    trace = Kineto(rank=0)
+    for n in range(3):
+        trace.step(n + 1, 1000 * n, 1000)
+        trace.kernel(EVIL, 1000 * n + 300, 400)
+    return trace
+
+
+def test_report_trace_adds_a_trace_folders_highlights_to_a_saved_summary(tmp_path, capsys):
+    source = tmp_path / "run.json"
+    cpu_summary().to_json(source)
+    traces = tmp_path / "traces"
+    hostile_trace().write(traces / "rank0.step4-6.pt.trace.json.gz")
+    text = hostile_trace().text()
+    (traces / "rank1.json").write_bytes(text[: len(text) // 2])  # a capture cut short
+    out = tmp_path / "report.html"
+    assert main(["report", str(source), "--html", str(out), "--trace", str(traces)]) == 0
+    assert capsys.readouterr() == (f"report written to {out}\n", "")
+    page = out.read_text()
+    assert section_ids(page)[-2:] == ["trace", "run"]
+    section = section_of(page, "trace")
+    assert f"<td>{EVIL_ESCAPED}</td><td>computation</td>" in section
+    assert "<li>rank1.json: the file ends inside traceEvents after " in section
+    assert "<script" not in page and "alert(1)</" not in page
+    assert RunSummary.from_json(source).trace == {}, "the saved summary is left as it was"
+
+
+def test_report_trace_with_nothing_readable_still_writes_the_page_with_a_note(tmp_path, capsys):
+    source = tmp_path / "run.json"
+    cpu_summary().to_json(source)
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "empty.json").write_bytes(b"")
+    out = tmp_path / "report.html"
+    assert main(["report", str(source), "--html", str(out), "--trace", str(tmp_path / "traces")]) == 0
+    note = f"The traces in {tmp_path / 'traces'} could not be analysed (empty.json: the file is empty)."
+    assert capsys.readouterr() == (f"report written to {out}\n", f"stepscope: {note}\n")
+    page = out.read_text()
+    assert "trace" not in section_ids(page)
+    assert note in section_of(page, "run")
+
+
+def test_report_trace_of_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    source = tmp_path / "run.json"
+    cpu_summary().to_json(source)
+    assert main(["report", str(source), "--html", str(tmp_path / "r.html"), "--trace", str(tmp_path / "no")]) == 2
+    assert capsys.readouterr().err == f"stepscope: --trace {tmp_path / 'no'}: no such file or folder.\n"
+    assert not (tmp_path / "r.html").exists()
+
+
 @pytest.mark.parametrize("verb", ["run", "doctor"])
 def test_html_is_an_option_of_the_measuring_verbs_and_takes_a_value(verb):
     options, command = _split_run(["--html", "r.html", "train.py", "--html", "theirs"])
@@ -466,7 +605,7 @@ def test_the_report_renders_in_chromium_without_errors(tmp_path):
     assert load.requests == [path.resolve().as_uri()]  # nothing fetched: self-contained
     assert load.values["bound"] == "data" and load.values["verdict_visible"]
     assert load.values["sections"] == section_ids(path.read_text())
-    assert len(load.values["chart_sizes"]) == len(svgs(path.read_text())) == 9
+    assert len(load.values["chart_sizes"]) == len(svgs(path.read_text())) == 10
     assert all(w > 300 and h > 40 for w, h in load.values["chart_sizes"])
     assert load.values["scripts"] == 0
     assert f"train.py --tag {EVIL}" in load.values["text"]  # escaped in the source, shown as typed

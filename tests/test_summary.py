@@ -106,6 +106,25 @@ def full_summary():
             world_size=2,
         ),
         notes=["one note", "ünïcode note ✓"],
+        trace={
+            "folder": "/runs/traces",
+            "files": 1,
+            "verdict": {"bound": "compute", "confidence": "high", "evidence": ["computation kernels run 91%"]},
+            "ranks": [
+                {
+                    "rank": 0,
+                    "file": "rank0.step4-6.pt.trace.json.gz",
+                    "idle_pct": 4.5,
+                    "idle_breakdown": None,
+                    "top_kernels": [
+                        {"name": "gemm<128>", "type": "computation", "count": 3, "total_ms": 1.5, "pct": 60.0}
+                    ],
+                }
+            ],
+            "stragglers": [],
+            "warnings": [],
+            "skipped": [{"file": "broken.json", "reason": "the file is empty"}],
+        },
     )
 
 
@@ -261,20 +280,35 @@ def test_values_outside_the_vocabulary_are_refused(tmp_path, edit, message):
 def test_schema_1_file_is_upgraded_with_empty_facts():
     data = RunSummary().to_dict()
     data["schema_version"] = 1
-    del data["facts"], data["dataloader"], data["series"], data["pipeline"]
+    del data["facts"], data["dataloader"], data["series"], data["pipeline"], data["trace"]
     summary = RunSummary.from_dict(data)
     assert summary.schema_version == 3
     assert summary.facts == {} and summary.dataloader == {}
-    assert summary.series is None and summary.pipeline == {}
+    assert summary.series is None and summary.pipeline == {} and summary.trace == {}
 
 
-def test_schema_2_file_and_its_ranks_are_upgraded_without_series_or_pipeline():
+def test_schema_2_file_and_its_ranks_are_upgraded_without_series_pipeline_or_trace():
     rank = RunSummary().to_dict()
     data = RunSummary().to_dict()
     for d in (rank, data):
         d["schema_version"] = 2
-        del d["series"], d["pipeline"]
+        del d["series"], d["pipeline"], d["trace"]
     data["ranks"] = [rank]
     summary = RunSummary.from_dict(data)
     assert summary.schema_version == 3 and summary.ranks[0].schema_version == 3
     assert summary.series is None and summary.ranks[0].pipeline == {}
+    assert summary.trace == {} and summary.ranks[0].trace == {}
+
+
+def test_schema_3_file_without_trace_highlights_loads_with_an_empty_trace():
+    """Version 3 gained ``trace`` before its release: a version-3 file written without it still loads."""
+    data = full_summary().to_dict()
+    del data["trace"]
+    assert RunSummary.from_dict(data).trace == {}
+
+
+def test_trace_highlights_are_a_top_level_field_after_pipeline():
+    data = orjson.loads(full_summary().to_json())
+    assert list(data)[-2:] == ["pipeline", "trace"]
+    assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
+    assert RunSummary().to_dict()["trace"] == {}

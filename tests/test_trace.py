@@ -2,35 +2,41 @@
 
 Three sources of truth:
 
-- synthetic traces built here event by event (`Kineto`), whose answers are known exactly;
+- synthetic traces built here event by event (`Kineto`, tests/kineto.py), whose answers are known exactly;
 - the real traces of Holistic Trace Analysis' test data in /work/shared/traces/hta (skipped where absent);
 - the numbers HTA 0.5.0 computed on those traces, in tests/data/hta_reference.json (skipped where absent).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import gzip
 import itertools
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from kineto import ORIGIN_US, Kineto
 
 from stepscope.analyses.trace import breakdown as bd
+from stepscope.analyses.trace import highlights as highlights_module
 from stepscope.analyses.trace import stream
 from stepscope.analyses.trace.analyze import DATALOADER, DEFINITIONS, RankTrace, TraceAnalysis, analyze_trace
 from stepscope.analyses.trace.events import TraceEvents, rank_of, read_trace, trace_files
+from stepscope.analyses.trace.highlights import highlights, trace_highlights
 from stepscope.analyses.trace.stream import TraceFile, TraceReadError, iter_events
 from stepscope.cli import main
+from stepscope.summary import RunSummary
 
 SHARED = Path("/work/shared/traces")
 HTA = SHARED / "hta"
 REFERENCE = Path(__file__).parent / "data" / "hta_reference.json"
-ORIGIN_US = 1_700_000_000_000_000  # an absolute timestamp in µs, like Kineto's
 NOT_KINETO = {
     "execution_trace/benchmark_simple_add_et.json.gz": (
         "this is a PyTorch execution trace (ExecutionTraceObserver), not a Kineto trace"
@@ -49,91 +55,6 @@ needs_hta_traces = pytest.mark.skipif(not HTA.is_dir(), reason=f"the real traces
 # ---------------------------------------------------------------------------------------------------------------------
 # Building synthetic traces
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-class Kineto:
-    """A Kineto-like trace built event by event. Times are µs from the trace's start; written as .json or .json.gz.
-
-    ``kernel`` writes what Kineto writes for one launch: the runtime call on the host thread, the kernel on its
-    stream (linked by ``args.correlation``) and the flow arrows between them.
-    """
-
-    def __init__(self, rank: int | None = 0, device: str | None = "NVIDIA A100-SXM4-80GB", origin: float = ORIGIN_US):
-        self.origin = origin
-        self.meta: dict[str, Any] = {
-            "schemaVersion": 1,
-            "deviceProperties": [{"id": 0, "name": device, "totalGlobalMem": 85_000_000_000}] if device else [],
-        }
-        if rank is not None:
-            self.meta["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": 8}
-        self.trailer: dict[str, Any] = {
-            "traceName": "synthetic.pt.trace.json",
-            "displayTimeUnit": "ms",
-            "baseTimeNanoseconds": 1_700_000_000_000_000_000,
-        }
-        self.events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "ts": int(origin), "pid": 100, "tid": 0, "args": {"name": "python"}},
-            {"name": "thread_name", "ph": "M", "ts": int(origin), "pid": 100, "tid": 1, "args": {"name": "main"}},
-        ]
-        self._correlation = itertools.count(1)
-
-    def _x(self, cat: str, name: str, ts: float, dur: float, pid: int, tid: int, args: dict | None = None) -> dict:
-        event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": self.origin + ts, "dur": dur}
-        if args is not None:
-            event["args"] = args
-        self.events.append(event)
-        return event
-
-    def step(self, n: int, ts: float, dur: float, tid: int = 1) -> None:
-        self._x("user_annotation", f"ProfilerStep#{n}", ts, dur, 100, tid)
-
-    def host(self, name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> None:
-        self._x(cat, name, ts, dur, 100, tid, {"External id": 1})
-
-    def kernel(
-        self, name: str, ts: float, dur: float, *, launch: float | None = None, stream: int = 7,
-        cat: str = "kernel", launcher: str = "cudaLaunchKernel",
-    ) -> None:  # fmt: skip
-        """A device event on ``stream`` and the runtime call that launched it (5 µs earlier unless ``launch``)."""
-        corr = next(self._correlation)
-        launch = ts - 5 if launch is None else launch
-        self._x("cuda_runtime", launcher, launch, 2, 100, 1, {"cbid": 211, "correlation": corr})
-        self._x(cat, name, ts, dur, 0, stream, {"device": 0, "stream": stream, "correlation": corr, "grid": [1, 1, 1]})
-        flow = {"id": corr, "cat": "ac2g", "name": "ac2g"}
-        self.events.append({"ph": "s", "pid": 100, "tid": 1, "ts": self.origin + launch, **flow})
-        self.events.append({"ph": "f", "pid": 0, "tid": stream, "ts": self.origin + ts, "bp": "e", **flow})
-
-    def memcpy(self, ts: float, dur: float, **kw: Any) -> None:
-        self.kernel("Memcpy HtoD (Pageable -> Device)", ts, dur, cat="gpu_memcpy", launcher="cudaMemcpyAsync", **kw)
-
-    def document(self, events_at: str = "middle") -> dict[str, Any]:
-        """The trace as one JSON object, with ``traceEvents`` first, in the middle (Kineto's place) or last."""
-        meta, trailer = dict(self.meta), dict(self.trailer)
-        if events_at == "first":
-            return {"traceEvents": self.events, **meta, **trailer}
-        if events_at == "last":
-            return {**meta, **trailer, "traceEvents": self.events}
-        return {**meta, "traceEvents": self.events, **trailer}
-
-    def text(self, layout: str = "kineto", events_at: str = "middle") -> bytes:
-        """Kineto's pretty-printed layout (an event over several lines) or one compact line."""
-        doc = self.document(events_at)
-        if layout == "compact":
-            return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-        lines = []
-        for key, value in doc.items():
-            if key == "traceEvents":
-                events = ",\n".join("  " + json.dumps(e, indent=4, ensure_ascii=False) for e in value)
-                lines.append(f'  "traceEvents": [\n{events}\n]')
-            else:
-                lines.append(f"  {json.dumps(key)}: {json.dumps(value, indent=2)}")
-        return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
-
-    def write(self, path: Path, layout: str = "kineto", events_at: str = "middle") -> Path:
-        data = self.text(layout, events_at)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
-        return path
 
 
 def only_rank(analysis: TraceAnalysis) -> RankTrace:
@@ -1081,6 +1002,108 @@ def test_real_truncated_and_corrupt_traces(tmp_path):
     assert reasons["cut.json.gz"].endswith(" events (truncated)")
     assert reasons["flipped.json.gz"].startswith("the gzip data is corrupt")
     assert reasons["short.json.gz"] == "the gzip stream is cut short (the file is truncated)"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# highlights.py: what a RunSummary carries (summary.trace)
+# ---------------------------------------------------------------------------------------------------------------------
+
+HOSTILE = '<script>alert(1)</script>_kernel<float, "q">'
+RANK_HIGHLIGHTS = {
+    "rank", "job", "file", "device_type", "steps", "step_ms", "kernel_span_ms", "idle_pct", "compute_pct",
+    "non_compute_pct", "overlap_pct", "exposed_comm_pct", "idle_breakdown", "data_loading", "cpu", "phases_ms",
+    "top_kernels", "notes", "verdict",
+}  # fmt: skip
+
+
+@needs_hta_traces
+def test_highlights_of_a_real_two_rank_trace(tmp_path):
+    folder = HTA / "trace_filter"
+    analysis = analyze_trace(folder, jobs=1)
+    result = highlights(analysis, folder)
+    assert set(result) == {"folder", "files", "verdict", "ranks", "stragglers", "warnings", "skipped"}
+    assert (result["folder"], result["files"], result["skipped"]) == (str(folder), 2, [])
+    assert result["verdict"] == dataclasses.asdict(analysis.verdict)
+    assert [(r["rank"], r["job"], r["file"]) for r in result["ranks"]] == [
+        (0, ".", "sampled_rank-0.json.gz"), (1, ".", "sampled_rank-1.json.gz")
+    ]  # fmt: skip
+    for mine, full in zip(result["ranks"], analysis.ranks, strict=True):
+        assert set(mine) == RANK_HIGHLIGHTS
+        for figure in ("step_ms", "kernel_span_ms", "idle_pct", "compute_pct", "non_compute_pct", "overlap_pct",
+                       "exposed_comm_pct"):  # fmt: skip
+            assert mine[figure] == approx(getattr(full, figure), 5e-4), figure
+        assert mine["idle_breakdown"]["host_wait_pct"] == approx(full.idle_breakdown["host_wait_pct"], 5e-4)
+        assert mine["verdict"] == dataclasses.asdict(full.verdict) and mine["verdict"]["bound"] == "host"
+        assert len(mine["top_kernels"]) == 5 and mine["top_kernels"][0]["type"] == "communication"
+        top = full.top_kernels[0]
+        assert mine["top_kernels"][0] == {
+            "name": top.name,
+            "type": top.type,
+            "count": top.count,
+            "total_ms": approx(top.total_us / 1000, 5e-4),
+            "pct": approx(top.pct, 5e-4),
+        }
+        assert all(len(k["name"]) <= 200 for k in mine["top_kernels"])
+        assert any(k["name"].endswith("…") for k in mine["top_kernels"]), "long C++ names are cut"
+    # it travels in a summary: JSON and back unchanged
+    RunSummary(trace=result).to_json(tmp_path / "s.json")
+    assert RunSummary.from_json(tmp_path / "s.json").trace == result
+    assert len(json.dumps(result)) < 10_000, "compact"
+
+
+def test_highlights_of_a_synthetic_trace_with_a_hostile_kernel_name_and_a_broken_file(tmp_path):
+    job = tmp_path / "traces"
+    trace = data_bound_trace()
+    trace.kernel(HOSTILE, 960, 5, launch=955)
+    trace.write(job / "rank0.step4-6.pt.trace.json.gz")
+    (job / "sub").mkdir()
+    (job / "sub" / "broken.json").write_text('{"traceEvents": [')
+    result = highlights(analyze_trace(job, jobs=1), job)
+    (rank,) = result["ranks"]
+    assert (rank["rank"], rank["job"], rank["file"]) == (0, ".", "rank0.step4-6.pt.trace.json.gz")
+    assert [k["name"] for k in rank["top_kernels"]] == [GEMM, HOSTILE], "kept as is: escaping is the page's job"
+    assert rank["data_loading"] == {"spans": 2, "per_step_ms": 0.6, "step_share_pct": 60.0, "gpu_idle_pct": 100.0}
+    assert rank["cpu"] is None and rank["verdict"]["bound"] == result["verdict"]["bound"] == "data"
+    assert result["skipped"] == [{"file": "sub/broken.json", "reason": "the file ends inside traceEvents after 0 "
+                                  "events (truncated)"}]  # fmt: skip
+
+
+def test_trace_highlights_of_a_folder_with_nothing_to_show(tmp_path):
+    assert trace_highlights(tmp_path / "absent", since=0.0) == ({}, (
+        f"The run wrote no trace to {tmp_path / 'absent'} (it ended before the profiler's window, --trace-window, "
+        "recorded a step), so the summary has no trace highlights."
+    ))  # fmt: skip
+    assert trace_highlights(tmp_path) == ({}, f"No trace file (.json, .json.gz) in {tmp_path}, so the summary has "
+                                              "no trace highlights.")  # fmt: skip
+    (tmp_path / "empty.json").write_bytes(b"")
+    assert trace_highlights(tmp_path) == ({}, f"The traces in {tmp_path} could not be analysed (empty.json: the file "
+                                              "is empty).")  # fmt: skip
+
+
+def test_trace_highlights_leave_out_traces_older_than_the_run(tmp_path):
+    uniform_rank(0, 1000).write(tmp_path / "rank0.step4-6.pt.trace.json.gz")
+    old = uniform_rank(0, 1300).write(tmp_path / "rank0.step9-11.pt.trace.json.gz")
+    started = time.time()
+    os.utime(old, (started - 3600, started - 3600))
+    result, note = trace_highlights(tmp_path, since=started)
+    assert note is None
+    assert [r["file"] for r in result["ranks"]] == ["rank0.step4-6.pt.trace.json.gz"]
+    assert result["warnings"] == ["1 trace file(s) older than this run were left out: rank0.step9-11.pt.trace.json.gz"]
+    os.utime(tmp_path / "rank0.step4-6.pt.trace.json.gz", (started - 3600, started - 3600))
+    result, note = trace_highlights(tmp_path, since=started)
+    assert result == {} and "2 older file(s) there were left out" in note
+    assert len(trace_highlights(tmp_path)[0]["ranks"]) == 2, "without a run's start every file counts"
+
+
+def test_trace_highlights_never_raise(tmp_path, monkeypatch):
+    uniform_rank(0, 1000).write(tmp_path / "rank0.json")
+
+    def broken(*args, **kwargs):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(highlights_module, "analyze_trace", broken)
+    assert trace_highlights(tmp_path) == ({}, f"The traces in {tmp_path} could not be analysed (MemoryError: out of "
+                                              "memory).")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------

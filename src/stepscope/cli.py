@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,9 @@ def _run(args: argparse.Namespace) -> int:
 
     target = _target(args.command, RUN_USAGE)
     config = _measure_config(args, stop=not args.no_stop)
+    started = time.time()
     code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
+    _attach_trace(args, summary, started)
     sys.stdout.flush()
     print_summary(summary)
     if args.json:
@@ -155,8 +158,26 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    _write_html(RunSummary.from_json(args.summary), args.html)
+    summary = RunSummary.from_json(args.summary)
+    if args.trace and not Path(args.trace).exists():
+        raise UsageError(f"--trace {args.trace}: no such file or folder.")
+    _attach_trace(args, summary)
+    _write_html(summary, args.html)
     return 0
+
+
+def _attach_trace(args: argparse.Namespace, summary: RunSummary, since: float | None = None) -> None:
+    """Put the highlights of the traces in ``--trace DIR`` into the summary that ``--json``/``--html`` write (only
+    ``since`` then: a run's own capture); when there are none, one sentence in its notes says why."""
+    if not args.trace or not (getattr(args, "json", None) or args.html):
+        return
+    from stepscope.analyses.trace.highlights import trace_highlights
+
+    summary.trace, note = trace_highlights(args.trace, since=since)
+    if note:
+        summary.notes.append(note)
+        if since is None:
+            print(f"stepscope: {note}", file=sys.stderr)
 
 
 def _write_html(summary: RunSummary, path: str) -> None:
@@ -261,8 +282,10 @@ def _doctor(args: argparse.Namespace) -> int:
         audit_continue=True,
         ceiling_batches=args.ceiling_batches or None,
     )
+    started = time.time()
     code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
     summary.notes += notes
+    _attach_trace(args, summary, started)
     examine(summary, lint)
     sys.stdout.flush()
     print_doctor(summary)
@@ -508,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="write the HTML report of a saved summary JSON")
     report.add_argument("summary", help="path to a summary written by --json or Scope.summary().to_json()")
     report.add_argument("--html", metavar="PATH", required=True, help="write the self-contained HTML page here")
+    report.add_argument("--trace", metavar="DIR", help="add the highlights of the torch.profiler traces in DIR")
     report.set_defaults(func=_report)
 
     run = commands.add_parser(

@@ -200,6 +200,7 @@ class RunSummary:
     dataloader: dict[str, Any] = field(default_factory=dict)  # `stepscope dataloader`: the loader measured alone
     series: StepSeries | None = None  # step times over the run (per rank in a merged summary)
     pipeline: dict[str, Any] = field(default_factory=dict)  # PipelineMonitor's last snapshot (docs/pipeline.md)
+    trace: dict[str, Any] = field(default_factory=dict)  # highlights of the run's torch.profiler traces
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,6 +257,7 @@ class RunSummary:
                 dataloader=dict(data.get("dataloader", {})),
                 series=None if data.get("series") is None else _build(StepSeries, data["series"]),
                 pipeline=dict(data.get("pipeline", {})),
+                trace=dict(data.get("trace", {})),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:
@@ -311,7 +313,7 @@ def _add_facts(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_series(data: dict[str, Any]) -> dict[str, Any]:
-    return {**data, "series": None, "pipeline": {}, "schema_version": 3}
+    return {**data, "series": None, "pipeline": {}, "trace": {}, "schema_version": 3}
 
 
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.

@@ -2,9 +2,10 @@
 
 The verdict and the ranked fixes come first, then the figures behind them: the phase breakdown (per rank), step
 time over the run, the sampled GPU and host timelines, the loader ceiling against training, the pipeline monitor's
-figures, and what was run where. A section whose figures the summary does not carry is left out. Every string
-from the run (commands, module, kernel and phase names, evidence, notes) is escaped; a Content-Security-Policy
-forbids scripts and any fetch, so the page stays inert even if a string slipped through.
+figures, the highlights of the run's torch.profiler traces, and what was run where. A section whose figures the
+summary does not carry is left out. Every string from the run (commands, module, kernel and phase names, evidence,
+notes) is escaped; a Content-Security-Policy forbids scripts and any fetch, so the page stays inert even if a
+string slipped through.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ ol.fixes > li:first-child { border-top: none; }
 dl.fix { display: grid; grid-template-columns: 70px 1fr; gap: 2px 10px; margin: 6px 0 0; }
 dl.fix dt { color: var(--mute); } dl.fix dd { margin: 0; }
 .notes li, .warn { color: #9a6700; }
+#trace td:first-child { white-space: nowrap; }
+#trace h3 + table td:first-child { white-space: normal; overflow-wrap: anywhere; }
 footer { color: var(--mute); font-size: 12px; margin-top: 16px; text-align: center; }
 """
 
@@ -83,6 +86,7 @@ def render_html(summary: RunSummary) -> str:
             sections.system(summary),
             sections.capacity(summary),
             sections.pipeline(summary),
+            sections.trace(summary),
             sections.run_info(summary),
         )
         if part

@@ -442,6 +442,124 @@ def pipeline(summary: RunSummary) -> str:
     return _section("pipeline", "Inference → training pipeline", caption + "".join(parts))
 
 
+# Idle, computation and the rest (communication, copies, syncs not under computation): HTA's temporal breakdown.
+TRACE_SEGMENTS = (("idle_pct", "idle", "#bab0ac"), ("compute_pct", "compute", "#4e79a7"),
+                  ("non_compute_pct", "non-compute", "#e15759"))  # fmt: skip
+
+
+def trace(summary: RunSummary) -> str:
+    """Highlights of the torch.profiler traces captured with the run: per rank the GPU's idle/compute/non-compute
+    shares with the idle causes, overlap, exposed communication, data loading and bound; the first rank's top kernels,
+    stragglers, the trace verdict and the files that could not be read; "" when the summary carries no trace."""
+    t = summary.trace or {}
+    ranks = t.get("ranks") or []
+    if not ranks:
+        return ""
+    labels = _trace_labels(ranks)
+    gpu = [(label, r) for label, r in zip(labels, ranks, strict=True) if r.get("idle_pct") is not None]
+    caption = f"The torch.profiler traces in <code>{esc(t.get('folder', '?'))}</code>, analysed with Holistic Trace "
+    if gpu:
+        caption += (
+            "Analysis' definitions: idle, compute and non-compute (communication, memory copies and syncs that no "
+            "computation hides) are shares of the kernel span, first to last GPU kernel; host wait (the GPU waited "
+            "for the host to launch) and kernel wait (launch latency) are shares of the idle gaps."
+        )
+    else:
+        caption += "Analysis' definitions; no GPU activity: ATen ops % is the main thread's time in aten:: ops."
+    caption += " Traced steps carry the profiler's overhead; <code>stepscope trace DIR</code> gives every figure."
+    parts = [f'<p class="caption">{caption}</p>']
+    v = t.get("verdict") or {}
+    parts.append(
+        f"<p>Trace verdict: <b>{esc(v.get('bound', 'unknown'))}</b> "
+        f'<span class="confidence">(confidence {esc(v.get("confidence", "low"))})</span></p>'
+    )
+    if v.get("evidence"):
+        parts.append(_list(v["evidence"]))
+    parts.append(_trace_rank_table(ranks, labels))
+    if gpu:
+        parts.append(
+            stacked_bars(
+                [label for label, _ in gpu],
+                [name for _, name, _ in TRACE_SEGMENTS],
+                [[r.get(key) or 0.0 for key, _, _ in TRACE_SEGMENTS] for _, r in gpu],
+                unit="%",
+                details=[[_span_ms(r, key) for key, _, _ in TRACE_SEGMENTS] for _, r in gpu],
+                colors=[color for _, _, color in TRACE_SEGMENTS],
+                title="GPU time by kind, % of the kernel span",
+            )
+        )
+    first = next(((label, r) for label, r in zip(labels, ranks, strict=True) if r.get("top_kernels")), None)
+    if first:
+        label, r = first
+        rows = [
+            [k.get("name", ""), k.get("type", ""), _num(k.get("count")), _ms(k.get("total_ms")), _pct1(k.get("pct"))]
+            for k in r["top_kernels"]
+        ]
+        parts.append(f"<h3>Top kernels, {esc(label)}</h3>")
+        parts.append(_table(["kernel", "type", "calls", "total ms", "% kernel time"], rows, numeric_from=2))
+    stragglers = t.get("stragglers") or []
+    if stragglers:
+        parts.append("<h3>Stragglers</h3>")
+        parts.append(
+            _list(
+                f"rank {s.get('rank')}: {_ms(s.get('step_ms'))} ms per step, {_pct1(s.get('slower_pct'))}% above the "
+                f"median of the other ranks ({_ms(s.get('median_step_ms'))} ms); {s.get('why', '')}"
+                for s in stragglers
+            )
+        )
+    notes = [f"{label}: {note}" for label, r in zip(labels, ranks, strict=True) for note in r.get("notes") or []]
+    notes += t.get("warnings") or []
+    if notes:
+        parts.append(f'<div class="notes">{_list(notes)}</div>')
+    skipped = t.get("skipped") or []
+    if skipped:
+        parts.append("<h3>Files not analysed</h3>")
+        reasons = _list(f"{s.get('file')}: {s.get('reason')}" for s in skipped)
+        parts.append(f'<div class="notes">{reasons}</div>')
+    return _section("trace", "Trace highlights", "".join(parts))
+
+
+def _trace_labels(ranks: list[dict[str, Any]]) -> list[str]:
+    """``rank N``, with its file (and subfolder) when several files hold one rank (several jobs or capture windows)."""
+    labels = [f"rank {r.get('rank')}" for r in ranks]
+    files = [r.get("file") if r.get("job") in (None, "", ".") else f"{r['job']}/{r.get('file')}" for r in ranks]
+    return [
+        f"{label} · {file}" if labels.count(label) > 1 else label for label, file in zip(labels, files, strict=True)
+    ]
+
+
+TRACE_GPU_COLUMNS = (
+    ("idle %", lambda r: _pct1(r.get("idle_pct"))),
+    ("compute %", lambda r: _pct1(r.get("compute_pct"))),
+    ("non-compute %", lambda r: _pct1(r.get("non_compute_pct"))),
+    ("host wait %", lambda r: _pct1((r.get("idle_breakdown") or {}).get("host_wait_pct"))),
+    ("kernel wait %", lambda r: _pct1((r.get("idle_breakdown") or {}).get("kernel_wait_pct"))),
+    ("overlap %", lambda r: _pct1(r.get("overlap_pct"))),
+    ("exposed comm %", lambda r: _pct1(r.get("exposed_comm_pct"))),
+)
+
+
+def _trace_rank_table(ranks: list[dict[str, Any]], labels: list[str]) -> str:
+    """One row per rank; the GPU columns when a rank had GPU activity, the ATen share when one had none."""
+    columns: list[tuple[str, Any]] = [
+        ("bound", lambda r: (r.get("verdict") or {}).get("bound", "unknown")),
+        ("steps", lambda r: _num(r.get("steps"))),
+        ("step ms", lambda r: _ms(r.get("step_ms"))),
+    ]
+    if any(r.get("kernel_span_ms") is not None for r in ranks):
+        columns += TRACE_GPU_COLUMNS
+    columns.append(("data ms/step", lambda r: _ms((r.get("data_loading") or {}).get("per_step_ms"))))
+    if any(r.get("cpu") for r in ranks):
+        columns.append(("ATen ops %", lambda r: _pct1((r.get("cpu") or {}).get("computation_pct"))))
+    rows = [[label] + [cell(r) for _, cell in columns] for label, r in zip(labels, ranks, strict=True)]
+    return _table(["rank"] + [name for name, _ in columns], rows, numeric_from=2)
+
+
+def _span_ms(rank: dict[str, Any], key: str) -> str:
+    share, span = rank.get(key), rank.get("kernel_span_ms")
+    return "" if share is None or not span else f"{_ms(share / 100 * span)} ms of a {_ms(span)} ms kernel span"
+
+
 def run_info(summary: RunSummary) -> str:
     """What ran where: command, device, versions, steps, how it ended, notes, loaders and per-step counters."""
     m, s = summary.meta, summary.steps
@@ -519,6 +637,11 @@ def _ms(value: float | None) -> str:
 
 def _pct(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
+
+
+def _pct1(value: float | None) -> str:
+    """A percentage (0..100) with one decimal."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _rate(value: float | None) -> str:
