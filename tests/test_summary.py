@@ -312,3 +312,17 @@ def test_trace_highlights_are_a_top_level_field_after_pipeline():
     assert list(data)[-2:] == ["pipeline", "trace"]
     assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
     assert RunSummary().to_dict()["trace"] == {}
+
+
+def test_world_size_and_batch_per_rank_read_the_merged_summary_or_the_single_process():
+    single = RunSummary(throughput=Throughput(steps_per_s=10.0, samples_per_s=160.0))
+    assert (single.world_size, single.batch_per_rank) == (1, 16.0)
+    ranks = [
+        RunSummary(throughput=Throughput(steps_per_s=10.0, samples_per_s=80.0)),
+        RunSummary(throughput=Throughput(steps_per_s=5.0, samples_per_s=40.0)),
+        RunSummary(throughput=Throughput(steps_per_s=5.0)),  # no batch size known: left out of the mean
+    ]
+    merged = RunSummary(ranks=ranks, cluster=Cluster(world_size=4, ranks_reported=[0, 1, 2], samples_per_s=120.0))
+    assert (merged.world_size, merged.batch_per_rank) == (4, 8.0)
+    assert RunSummary(meta=Meta(world_size=2)).world_size == 2
+    assert RunSummary().batch_per_rank is None

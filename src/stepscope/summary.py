@@ -203,6 +203,24 @@ class RunSummary:
     trace: dict[str, Any] = field(default_factory=dict)  # highlights of the run's torch.profiler traces
     schema_version: int = SCHEMA_VERSION
 
+    @property
+    def world_size(self) -> int:
+        """Processes in the run: the cluster's (a merged multi-rank summary), else the meta's, else 1."""
+        if self.cluster is not None:
+            return self.cluster.world_size
+        return self.meta.world_size or 1
+
+    @property
+    def batch_per_rank(self) -> float | None:
+        """Samples per optimizer step on one rank (gradient accumulation included): samples/s over steps/s, the
+        mean over the ranks that know both; None when no batch size was known."""
+        ratios = [
+            r.throughput.samples_per_s / r.throughput.steps_per_s
+            for r in self.ranks or [self]
+            if r.throughput.samples_per_s and r.throughput.steps_per_s
+        ]
+        return sum(ratios) / len(ratios) if ratios else None
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready form, ``schema_version`` first."""
         data = dataclasses.asdict(self)

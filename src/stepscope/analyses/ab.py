@@ -154,9 +154,10 @@ class ABResult:
 def run_figures(summary: RunSummary, exit_code: int, order: int) -> RunFigures:
     """The figures of one run from its (merged) summary and the command's exit code."""
     ranks = summary.ranks or [summary]
-    world = summary.cluster.world_size if summary.cluster else (summary.meta.world_size or 1)
+    world = summary.world_size
     step_ms = summary.throughput.step_time_ms
-    per_rank = _samples_per_step(ranks[0])
+    batch = summary.batch_per_rank
+    per_rank = None if batch is None else round(batch, 3)
     peak, source = _peak_memory(ranks)
     measured = summary.steps.measured
     return RunFigures(
@@ -185,14 +186,6 @@ def _failure(summary: RunSummary, exit_code: int) -> str | None:
             return f"no measured step: it ended after {summary.steps.warmup} warm-up steps (lower --warmup)"
         return "no measured step" + (f": {summary.notes[0]}" if summary.notes else "")
     return None
-
-
-def _samples_per_step(summary: RunSummary) -> float | None:
-    """Samples per optimizer step of one rank: its samples/s × its mean step time."""
-    rate, step_ms = summary.throughput.samples_per_s, summary.throughput.step_time_ms
-    if rate is None or step_ms is None:
-        return None
-    return round(rate * step_ms / 1000, 3)
 
 
 def _peak_memory(ranks: list[RunSummary]) -> tuple[float | None, str | None]:

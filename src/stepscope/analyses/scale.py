@@ -178,16 +178,9 @@ def label_for(by: str, command: str, path: str) -> str | None:
     return None
 
 
-def world_size(summary: RunSummary) -> int:
-    """Processes in the run: the cluster's, else the meta's, else 1 (a single process)."""
-    if summary.cluster is not None:
-        return summary.cluster.world_size
-    return summary.meta.world_size or 1
-
-
 def run_problem(summary: RunSummary) -> str | None:
     """Why a run cannot be used in a scaling report (a sentence without a subject), or None when it can."""
-    world = world_size(summary)
+    world = summary.world_size
     if world > 1 and not summary.ranks:
         rank = "?" if summary.meta.rank is None else summary.meta.rank
         return (
@@ -201,7 +194,7 @@ def run_problem(summary: RunSummary) -> str | None:
         )
     if summary.steps.measured == 0 or TOTAL not in summary.phases:
         return "has no measured steps"
-    if not summary.throughput.samples_per_s or _batch_per_rank(summary) is None:
+    if not summary.throughput.samples_per_s or summary.batch_per_rank is None:
         return (
             "has no samples/s (no batch size was known: `stepscope run --batch-size N` gives it when the script "
             "has no DataLoader)"
@@ -212,16 +205,6 @@ def run_problem(summary: RunSummary) -> str | None:
 def _parts(summary: RunSummary) -> list[RunSummary]:
     """The per-rank summaries of a run (the run itself for a single process)."""
     return summary.ranks or [summary]
-
-
-def _batch_per_rank(summary: RunSummary) -> float | None:
-    """Samples per optimizer step per rank: samples/s over steps/s, the mean over the ranks that know both."""
-    ratios = [
-        r.throughput.samples_per_s / r.throughput.steps_per_s
-        for r in _parts(summary)
-        if r.throughput.samples_per_s and r.throughput.steps_per_s
-    ]
-    return statistics.fmean(ratios) if ratios else None
 
 
 def _phases_ms(summary: RunSummary) -> dict[str, float]:
@@ -270,11 +253,11 @@ def _device_kind(summary: RunSummary) -> str:
 
 def _figures(run: ScaleRun) -> _Figures:
     summary = run.summary
-    batch = _batch_per_rank(summary)
+    batch = summary.batch_per_rank
     assert batch is not None and summary.throughput.samples_per_s  # run_problem ruled both out
     return _Figures(
         source=run.source,
-        world_size=world_size(summary),
+        world_size=summary.world_size,
         samples_per_s=summary.throughput.samples_per_s,
         batch_per_rank=batch,
         device=_device_kind(summary),

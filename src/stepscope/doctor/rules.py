@@ -829,7 +829,7 @@ def _full_shard_fits(case: Case) -> Finding | None:
     device = case.facts.get("device")
     if fsdp is None or device is None or fsdp["fsdp"]["sharding_strategy"] != "FULL_SHARD":
         return None
-    world = case.summary.meta.world_size or 1
+    world = case.summary.world_size
     replica_mb = fsdp["param_mb"] * world * ADAM_BYTES_PER_PARAM_BYTE  # param_mb is this rank's shard
     if replica_mb > ZERO3_FITS * device["total_mb"]:
         return None
