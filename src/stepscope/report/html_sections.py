@@ -334,6 +334,13 @@ def _host_table(sources: list[tuple[str, dict[str, Any]]]) -> str:
     return _table(headers, rows, numeric_from=1) if rows else ""
 
 
+def _loader_code(settings: dict[str, Any]) -> str:
+    """A sweep setting as the DataLoader arguments to write (the terminal's and the doctor's form)."""
+    from stepscope.analyses.loader import LoaderSettings
+
+    return LoaderSettings(**settings).snippet()
+
+
 def capacity(summary: RunSummary) -> str:
     """The loader's ceiling against training without its data waits and the realised rate; "" unless both the
     realised rate and a loader ceiling were measured."""
@@ -366,18 +373,11 @@ def capacity(summary: RunSummary) -> str:
         settings = best.get("settings") or {}
         gain = "" if best.get("gain") is None else f" ({100 * best['gain']:+.0f}% over the current setting)"
         lines.append(
-            f"The sweep's best setting ({esc(_settings_text(settings))}) reached "
+            f"The sweep's best setting ({esc(_loader_code(settings))}) reached "
             f"{esc(fmt_number(best['samples_per_s']))} samples/s{esc(gain)}."
         )
     captions = "".join(f'<p class="caption">{line}</p>' for line in lines)
     return _section("capacity", "Input pipeline against training", captions + chart)
-
-
-def _settings_text(settings: dict[str, Any]) -> str:
-    text = f"num_workers={settings.get('num_workers')}"
-    if settings.get("num_workers"):
-        text += f", prefetch_factor={settings.get('prefetch_factor') or 2}"
-    return text + (", pin_memory" if settings.get("pin_memory") else "")
 
 
 PIPELINE_RATES = (
