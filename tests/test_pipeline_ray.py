@@ -8,6 +8,7 @@ queue used as the pool must be read as the pool's size.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ def test_reporter_needs_a_running_ray():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # The engines below are classes of this module, which Ray's workers import by name: put tests/ on their path.
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
 
