@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from chromium import find_chromium, load_page
 from run_helpers import REPO, run_env, script, stepscope_cmd, torchrun
 
 from stepscope.analyses.scale import (
@@ -510,3 +511,24 @@ def test_real_runs_one_and_two_ranks(tmp_path):
     assert one["batch_per_rank"] == pytest.approx(8, rel=0.05) and two["batch_per_rank"] == pytest.approx(8, rel=0.05)
     assert two["speedup"] > 0 and two["efficiency"] == pytest.approx(two["speedup"] / 2)
     assert "sync" in two["phases_ms"] or "backward" in two["phases_ms"]
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not on PATH (`make test` installs it where it can)")
+def test_the_scaling_page_renders_in_chromium_without_errors(tmp_path):
+    runs = tmp_path / "runs"
+    write_runs(runs, worlds=(1, 2, 4, 8), repeats=(1.0, 1.02))
+    page = tmp_path / "scale.html"
+    assert main(["scale", str(runs), "--html", str(page)]) == 0
+    load = load_page(
+        page,
+        {
+            "charts": "[...document.querySelectorAll('svg')].map(s => s.getBoundingClientRect().width)",
+            "scripts": "document.querySelectorAll('script').length",
+            "text": "document.body.innerText",
+        },
+    )
+    assert load.errors == [] and load.console == []
+    assert load.requests == [page.resolve().as_uri()]  # nothing fetched: self-contained
+    assert len(load.values["charts"]) == 3 and all(width > 300 for width in load.values["charts"])
+    assert load.values["scripts"] == 0
+    assert "sync grows from 0.0 ms at 1 rank to 20.2 ms at 8 ranks" in load.values["text"]
