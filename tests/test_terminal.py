@@ -153,3 +153,39 @@ def test_custom_phase_name_with_brackets_is_printed_verbatim():
     }
     text = render(summary)
     assert row(text, "ema[update]").split() == ["ema[update]", "2.000", "2.000", "2.000", "2.0%"]
+
+
+def test_pipeline_and_trace_highlights_get_their_lines():
+    summary = host_summary()
+    summary.pipeline = {
+        "thru": 12.06,
+        "infer_capacity": 18.5,
+        "train_capacity": 13.24,
+        "dispatch_wait_s": 0.1,
+        "pool": 24.0,
+        "bottleneck": "inference",
+    }
+    summary.trace = {
+        "ranks": [
+            {
+                "rank": 0,
+                "idle_pct": 79.8,
+                "compute_pct": 15.0,
+                "non_compute_pct": 5.2,
+                "idle_breakdown": {"host_wait_pct": 99.0},
+                "cpu": None,
+                "verdict": {"bound": "host"},
+            },
+            {"rank": 1, "cpu": {"computation_pct": 61.25}, "verdict": {"bound": "compute"}},
+        ],
+        "verdict": {"bound": "host", "evidence": ["the GPU waited for the host 79.8% of the time"]},
+    }
+    text = render(summary)
+    assert (
+        "pipeline: thru 12.1/s · inference capacity 18.5/s · training capacity 13.2/s · wait 100 ms/step · pool 24 · "
+        "bottleneck inference"
+    ) in " ".join(text.split())  # the console may wrap the line
+    assert "trace: rank 0: GPU idle 79.8% (host wait 99.0%), compute 15.0%, non-compute 5.2% · bound host" in text
+    assert "trace: rank 1: ATen ops 61.2% of the main thread (CPU-only trace) · bound compute" in text
+    assert "trace verdict: host (the GPU waited for the host 79.8% of the time)" in text
+    assert "trace:" not in render(host_summary()) and "pipeline:" not in render(host_summary())

@@ -138,6 +138,30 @@ def pipeline_line(pipeline: dict) -> str:
     )
 
 
+def trace_lines(trace: dict) -> list[str]:
+    """The trace highlights of a summary in a few lines: per rank the GPU's idle/compute/non-compute shares (or the
+    CPU-only ATen share) and its bound, then the trace's verdict."""
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}%"
+
+    lines = []
+    for rank in trace.get("ranks", []):
+        if rank.get("cpu"):
+            figures = f"ATen ops {pct(rank['cpu'].get('computation_pct'))} of the main thread (CPU-only trace)"
+        else:
+            idle = rank.get("idle_breakdown") or {}
+            figures = (
+                f"GPU idle {pct(rank.get('idle_pct'))} (host wait {pct(idle.get('host_wait_pct'))}), compute "
+                f"{pct(rank.get('compute_pct'))}, non-compute {pct(rank.get('non_compute_pct'))}"
+            )
+        lines.append(f"trace: rank {rank['rank']}: {figures} · bound {rank['verdict']['bound']}")
+    verdict = trace.get("verdict") or {}
+    if lines and verdict.get("evidence"):
+        lines.append(f"trace verdict: {verdict['bound']} ({'; '.join(verdict['evidence'])})")
+    return lines
+
+
 def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line: bool = True) -> None:
     """Print the phase table, throughput, verdict and notes of a summary (and its ranks, for several)."""
     console = _console(file)
@@ -154,6 +178,8 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
             console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
     if summary.pipeline:
         console.print(pipeline_line(summary.pipeline), markup=False)
+    for line in trace_lines(summary.trace):
+        console.print(line, markup=False)
     if summary.ranks:
         cluster = summary.cluster
         console.print(f"ranks: {len(summary.ranks)} of {cluster.world_size if cluster else '?'} reported", markup=False)
