@@ -1331,3 +1331,17 @@ def test_a_draining_pool_contradicts_a_training_bound_verdict(trend, confidence)
     figures.infer_capacity, figures.train_capacity = 400.0, 100.0
     verdict = decide(figures, tolerance=0.1)
     assert (verdict.bottleneck, verdict.confidence) == ("training", confidence)
+
+
+def test_a_warming_up_scope_still_shows_the_linked_pipelines_metrics():
+    clock = Clock(1.0)
+    scope = fake_scope(clock, warmup=5)
+    mon = PipelineMonitor(slots=2, window_s=WINDOW, scope=scope, clock=clock)
+    for _ in range(3):
+        with mon.infer(batch_size=8):
+            clock.advance(0.5)
+        mon.pool_put(8)
+    metrics = scope.metrics()
+    assert "perf/step_time" not in metrics  # no measured step yet
+    assert metrics["perf/infer_capacity"] == approx(32.0) and metrics["perf/pool"] == 24.0
+    assert Scope(warmup=5, system_interval_s=None).metrics() == {}

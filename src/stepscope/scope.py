@@ -359,13 +359,14 @@ class Scope:
         ``perf/step_time`` (s), ``perf/data_time`` (s in data_wait), ``perf/compute_time`` (s: device time of
         every other top-level phase when CUDA-timed, counted over the window's harvested steps; host step time
         minus data time otherwise), ``perf/train_capacity`` (samples/s = batch / step time, when batch size is
-        known). Empty during warm-up. With the system sampler running, also its latest readings: ``sys/cpu_util``
-        and ``sys/workers_cpu_util`` (% of one core), ``sys/gpu_util`` (%), ``sys/power_w`` (W), ``sys/sm_clock_ratio``
-        and the others of docs/collectors.md, each when measured.
+        known). With the system sampler running, also its latest readings: ``sys/cpu_util`` and
+        ``sys/workers_cpu_util`` (% of one core), ``sys/gpu_util`` (%), ``sys/power_w`` (W), ``sys/sm_clock_ratio``
+        and the others of docs/collectors.md, each when measured. With a linked PipelineMonitor, its ``perf/``
+        figures (docs/pipeline.md). During warm-up only the pipeline's figures.
         """
         recent = self._recorder.recent
-        if not recent:
-            return {}
+        if not recent:  # warming up: only a linked pipeline's figures, which do not wait for measured steps
+            return self._pipeline.metrics() if self._pipeline is not None else {}
         n = len(recent)
         step_s = sum(r.step_ns for r in recent) / n / 1e9
         data_s = sum(r.phases_ns.get(DATA_PHASE, 0) for r in recent) / n / 1e9
