@@ -542,7 +542,8 @@ def test_scope_samples_the_system_from_the_first_measured_step_until_close():
     off = Scope(warmup=0, system_interval_s=None)
     off.step()
     assert off.summary().system == {}
-    assert {t for t in threading.enumerate() if t.name == "stepscope-collectors"} == before
+    # No new sampler thread (samplers of scopes dropped by earlier tests may stop meanwhile: only additions count).
+    assert {t for t in threading.enumerate() if t.name == "stepscope-collectors"} - before == set()
 
 
 def test_a_scope_dropped_without_close_stops_its_sampler():
