@@ -495,6 +495,9 @@ def test_doctor_takes_the_trace_options_too(tmp_path):
     assert trace_files(traces) == ["rank0.step3-3.pt.trace.json.gz"], r.describe()
     assert r.summary.steps.profiled == 2 and r.summary.steps.measured == 6
     assert [rank["file"] for rank in r.summary.trace["ranks"]] == ["rank0.step3-3.pt.trace.json.gz"]
+    # stepscope's own capture is not a profiler the script left running (the doctor's debug.profiler fix)
+    assert r.summary.facts["torch"]["profiler"] is False
+    assert "debug.profiler" not in [fix.id for fix in r.summary.fixes], r.describe()
 
 
 def test_torchrun_ranks_write_their_own_traces(tmp_path):

@@ -153,6 +153,11 @@ class Profiler:
         self._profile.start()
         self._running = True
 
+    @property
+    def recording(self) -> bool:
+        """Whether this profiler records the current step (its warm-up or active steps)."""
+        return self._running and self._profile.current_action != self._idle
+
     def step(self) -> bool:
         """One training step ended; returns whether the profiler was recording it (its warm-up or active steps):
         those steps carry the profiler's overhead and are left out of the step statistics."""

@@ -497,6 +497,9 @@ class Tracker:
     def _read_probe(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         probed = self._probed
         flags = facts.torch_flags()
+        own = self.scope._profiler
+        if own is not None and own.recording:  # stepscope's own capture (--trace) is not the script's profiler
+            flags["profiler"] = False
         for name in ("anomaly", "profiler"):  # on in any probed pass counts
             flags[name] = flags[name] or probed.get("torch", {}).get(name, False)
         probed["torch"] = flags
