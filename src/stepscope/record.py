@@ -18,6 +18,14 @@ from stepscope.summary import PhaseStats, RunSummary, Steps, StepSeries, Through
 PHASES = ("data_wait", "h2d", "forward", "backward", "clip", "optimizer", "zero_grad", "sync", "other")
 """Canonical phase names in step order; ``total`` is the whole step."""
 
+GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("data_wait", "h2d"),
+    "compute": ("forward", "backward"),
+    "optimizer": ("optimizer", "zero_grad", "clip"),
+    "host": ("sync", "other"),
+}
+"""The canonical phases by what they spend time on (the verdict's groups)."""
+
 DATA_PHASE = "data_wait"
 NO_STEP_MARK = "no step was closed"
 OTHER_PHASE = "other"

@@ -17,15 +17,9 @@ The shares are then checked against what else was measured (``refine``): allocat
 from __future__ import annotations
 
 from stepscope.doctor.facts import oversubscribed_threads
-from stepscope.record import TOTAL
+from stepscope.record import GROUPS, TOTAL
 from stepscope.summary import PhaseStats, RunSummary, Verdict
 
-GROUPS: dict[str, tuple[str, ...]] = {
-    "data": ("data_wait", "h2d"),
-    "compute": ("forward", "backward"),
-    "optimizer": ("optimizer", "zero_grad", "clip"),
-    "host": ("sync", "other"),
-}
 MIN_STEPS = 3
 MIN_SHARE = 0.40
 HIGH_SHARE = 0.60

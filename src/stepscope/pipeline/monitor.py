@@ -25,13 +25,14 @@ from typing import Any
 
 from stepscope.pipeline.verdict import Figures, decide
 from stepscope.pipeline.window import Totals, Window
+from stepscope.record import GROUPS
 
 log = logging.getLogger("stepscope")
 
 WAITS_KEPT = 1024  # dispatch waits remembered between two training steps (a trainer that never steps: the last)
 HISTORY_POINTS = 512  # the history keeps at most this many points: when full, every other one goes
-DATA_PHASES = ("data_wait", "h2d")
-COMPUTE_PHASES = ("forward", "backward", "clip", "optimizer", "zero_grad")
+DATA_PHASES = GROUPS["data"]
+COMPUTE_PHASES = GROUPS["compute"] + GROUPS["optimizer"]  # what a training step computes, against fetching data
 
 
 @dataclass
