@@ -26,7 +26,7 @@ from allocations import growth
 from stepscope import NULL_SCOPE, RunSummary, Scope
 from stepscope.pipeline import NULL_PIPELINE, NullPipeline, PipelineMonitor, PipelineSnapshot
 from stepscope.pipeline.monitor import HISTORY_POINTS
-from stepscope.pipeline.verdict import Figures, decide
+from stepscope.pipeline.verdict import decide
 
 WINDOW = 100.0  # s: buckets of exactly 1 s; a snapshot at a whole second covers exactly the last 99 s
 
@@ -1298,13 +1298,14 @@ def test_real_threaded_pipeline_training_bound():
 # -- the verdict's agreement checks (pure: verdict.decide) ---------------------------------------------------------
 
 
-def starved(pool_trend: float | None, inflow: float | None = 100.0, wait_share: float = 0.5):
-    """Figures of an inference-bound window (I=100 < T=400) with the given pool trend, inflow and wait share."""
-    return Figures(
+def starved(pool_trend: float | None, inflow: float | None = 100.0) -> PipelineSnapshot:
+    """An inference-bound window (I=100 < T=400) with the given pool trend and inflow."""
+    return PipelineSnapshot(
+        window_s=WINDOW,
+        slots=1,
         infer_capacity=100.0,
         train_capacity=400.0,
         dispatch_wait_s=0.1,
-        wait_share=wait_share,
         pool=32,
         pool_trend=pool_trend,
         inflow=inflow,
@@ -1321,15 +1322,15 @@ def starved(pool_trend: float | None, inflow: float | None = 100.0, wait_share: 
 )
 def test_a_pool_trend_within_a_tenth_of_the_inflow_is_not_filling(trend, confidence):
     # A batch or two more in the pool at the window's edge is not the pool filling: inference stays high-confidence.
-    verdict = decide(starved(trend), tolerance=0.1)
+    verdict = decide(starved(trend), tolerance=0.1, wait_share=0.5)
     assert (verdict.bottleneck, verdict.confidence) == ("inference", confidence)
 
 
 @pytest.mark.parametrize(("trend", "confidence"), [(-9.9, "high"), (-10.1, "medium"), (50.0, "high")])
 def test_a_draining_pool_contradicts_a_training_bound_verdict(trend, confidence):
-    figures = starved(trend, wait_share=0.0)
-    figures.infer_capacity, figures.train_capacity = 400.0, 100.0
-    verdict = decide(figures, tolerance=0.1)
+    snap = starved(trend)
+    snap.infer_capacity, snap.train_capacity = 400.0, 100.0
+    verdict = decide(snap, tolerance=0.1, wait_share=0.0)
     assert (verdict.bottleneck, verdict.confidence) == ("training", confidence)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.pipeline.verdict import Figures, decide
+from stepscope.pipeline.verdict import decide
 from stepscope.pipeline.window import Totals, Window
 from stepscope.record import GROUPS
 
@@ -322,7 +322,8 @@ class PipelineMonitor:
 
     # -- reading ------------------------------------------------------------------------------------------------
 
-    def _figures(self, now: float) -> tuple[PipelineSnapshot, Figures]:
+    def _figures(self, now: float) -> tuple[PipelineSnapshot, Totals]:
+        """The snapshot's figures over the window ending at ``now`` (without the verdict), and the window's sums."""
         with self._lock:
             totals, start = self._window.totals(now)
             first = self._first_t
@@ -358,31 +359,17 @@ class PipelineMonitor:
             totals.train_steps,
         )
         snap.samples_in, snap.samples_out = samples_in, samples_out
-        busy = totals.step_wait_s + totals.train_s
-        figures = Figures(
-            infer_capacity=snap.infer_capacity,
-            train_capacity=snap.train_capacity,
-            dispatch_wait_s=snap.dispatch_wait_s,
-            wait_share=totals.step_wait_s / busy if busy > 0 else None,
-            pool=snap.pool,
-            pool_trend=snap.pool_trend,
-            inflow=snap.inflow,
-            slot_busy=snap.slot_busy,
-            infer_calls=totals.infer_calls,
-            infer_errors=totals.infer_errors,
-            train_steps=totals.train_steps,
-            data_s=totals.data_s,
-            compute_s=totals.compute_s,
-        )
-        return snap, figures
+        return snap, totals
 
     def snapshot(self) -> PipelineSnapshot:
         """Both sides over the last window, with the bottleneck and its evidence."""
         return self._snapshot(self._now())
 
     def _snapshot(self, now: float) -> PipelineSnapshot:
-        snap, figures = self._figures(now)
-        verdict = decide(figures, self.tolerance)
+        snap, totals = self._figures(now)
+        busy = totals.step_wait_s + totals.train_s
+        wait_share = totals.step_wait_s / busy if busy > 0 else None
+        verdict = decide(snap, self.tolerance, wait_share, totals.data_s, totals.compute_s)
         snap.bottleneck, snap.confidence = verdict.bottleneck, verdict.confidence
         snap.training_side, snap.evidence = verdict.training_side, verdict.evidence
         return snap

@@ -11,6 +11,10 @@ they agree with the capacities, medium when they do not, low on few events.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stepscope.pipeline.monitor import PipelineSnapshot
 
 MIN_EVENTS = 3  # engine calls and training steps in the window below which the verdict has low confidence
 WAITING = 0.05  # the trainer "waits" from 5% of its time spent waiting for samples
@@ -18,25 +22,6 @@ WAITING = 0.05  # the trainer "waits" from 5% of its time spent waiting for samp
 # edge is not a trend.
 POOL_TREND = 0.10
 IDLE_SLOTS = 0.8  # engines busy less than 80% of slot time: the slots are not kept fed
-
-
-@dataclass
-class Figures:
-    """The window's measurements the verdict reads (rates in samples/s, times in s, shares 0..1)."""
-
-    infer_capacity: float | None
-    train_capacity: float | None
-    dispatch_wait_s: float | None
-    wait_share: float | None  # of the trainer's time (steps + waits)
-    pool: float
-    pool_trend: float | None
-    inflow: float | None  # samples/s entering the pool
-    slot_busy: float | None  # engine time / (slots × window span)
-    infer_calls: int
-    infer_errors: int
-    train_steps: int
-    data_s: float = 0.0  # training time in data fetch and transfer (a linked Scope's phases), s
-    compute_s: float = 0.0  # training time in forward, backward and the optimizer, s
 
 
 @dataclass
@@ -68,13 +53,17 @@ def _rate(value: float) -> str:
     return f"{value:.1f} samples/s"
 
 
-def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
-    """The bottleneck of the window described by ``figures``: capacities within ``tolerance`` (0..1) of each
-    other are balanced."""
-    infer, train = figures.infer_capacity, figures.train_capacity
+def decide(
+    snap: PipelineSnapshot, tolerance: float, wait_share: float | None, data_s: float = 0.0, compute_s: float = 0.0
+) -> PipelineVerdict:
+    """The bottleneck of the window ``snap`` describes (its bottleneck fields are not read): capacities within
+    ``tolerance`` (0..1) of each other are balanced. ``wait_share``: of the trainer's time (steps + waits), the
+    share spent waiting for samples, 0..1; ``data_s`` and ``compute_s``: training time in data fetch and transfer
+    and in forward, backward and the optimizer (a linked Scope's phases), s."""
+    infer, train = snap.infer_capacity, snap.train_capacity
     errors = (
-        [f"{figures.infer_errors} engine call(s) raised in the window and are left out of the inference capacity"]
-        if figures.infer_errors
+        [f"{snap.infer_errors} engine call(s) raised in the window and are left out of the inference capacity"]
+        if snap.infer_errors
         else []
     )
     if infer is None or train is None:
@@ -84,20 +73,19 @@ def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
         if train is None:
             missing.append("no training step with samples")
         return PipelineVerdict(evidence=[f"{' and '.join(missing)} in the last window: not enough data", *errors])
-    enough = figures.infer_calls >= MIN_EVENTS and figures.train_steps >= MIN_EVENTS
-    waiting = figures.wait_share is not None and figures.wait_share >= WAITING
-    trend, inflow = figures.pool_trend, figures.inflow
+    enough = snap.infer_calls >= MIN_EVENTS and snap.train_steps >= MIN_EVENTS
+    waiting = wait_share is not None and wait_share >= WAITING
+    trend, inflow = snap.pool_trend, snap.inflow
     steady = trend is None or (inflow is not None and abs(trend) <= POOL_TREND * inflow)
     filling = not steady and trend is not None and trend > 0
     draining = not steady and trend is not None and trend < 0
     wait_text = (
-        f"the trainer waited {figures.dispatch_wait_s * 1e3:.0f} ms per step for samples "
-        f"({figures.wait_share:.0%} of its time)"
-        if figures.dispatch_wait_s is not None and figures.wait_share is not None
+        f"the trainer waited {snap.dispatch_wait_s * 1e3:.0f} ms per step for samples ({wait_share:.0%} of its time)"
+        if snap.dispatch_wait_s is not None and wait_share is not None
         else "the trainer's dispatch wait was not measured"
     )
     trend_text = "unknown" if trend is None else f"{trend:+.1f} samples/s"
-    pool_text = f"the pool holds {figures.pool:.0f} samples (trend {trend_text})"
+    pool_text = f"the pool holds {snap.pool:.0f} samples (trend {trend_text})"
     capacities = f"inference capacity I={_rate(infer)}, training capacity T={_rate(train)}"
     if abs(infer - train) <= tolerance * max(infer, train):
         verdict = PipelineVerdict(
@@ -112,9 +100,9 @@ def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
             pool_text,
             "add engines or raise the inference batch",
         ]
-        if figures.slot_busy is not None and figures.slot_busy < IDLE_SLOTS:
+        if snap.slot_busy is not None and snap.slot_busy < IDLE_SLOTS:
             evidence.append(
-                f"the engines were busy only {figures.slot_busy:.0%} of their slot time: requests do not keep every "
+                f"the engines were busy only {snap.slot_busy:.0%} of their slot time: requests do not keep every "
                 "slot fed, so dispatch more requests concurrently before adding engines"
             )
         agree = waiting and not filling
@@ -127,7 +115,7 @@ def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
         ]
         agree = not waiting and not draining
         verdict = PipelineVerdict("training", "high" if agree else "medium", evidence=evidence)
-        side, sentence = training_side(figures.data_s, figures.compute_s)
+        side, sentence = training_side(data_s, compute_s)
         verdict.training_side = side
         evidence.append(
             sentence or "link a Scope (PipelineMonitor(scope=...)) to see whether data or compute dominates training"
@@ -135,7 +123,7 @@ def decide(figures: Figures, tolerance: float) -> PipelineVerdict:
     if not enough:
         verdict.confidence = "low"
         verdict.evidence.append(
-            f"only {figures.infer_calls} engine call(s) and {figures.train_steps} training step(s) in the window"
+            f"only {snap.infer_calls} engine call(s) and {snap.train_steps} training step(s) in the window"
         )
     verdict.evidence += errors
     return verdict
