@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from stepscope.analyses.loader import LoaderSettings
 from stepscope.record import TOTAL
 from stepscope.report.svg import bars, esc, fmt_number, line_chart, stacked_bars
 from stepscope.report.terminal import exit_line, gain_text
@@ -336,8 +337,6 @@ def _host_table(sources: list[tuple[str, dict[str, Any]]]) -> str:
 
 def _loader_code(settings: dict[str, Any]) -> str:
     """A sweep setting as the DataLoader arguments to write (the terminal's and the doctor's form)."""
-    from stepscope.analyses.loader import LoaderSettings
-
     return LoaderSettings(**settings).snippet()
 
 
