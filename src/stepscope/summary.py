@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -201,6 +201,8 @@ class RunSummary:
     series: StepSeries | None = None  # step times over the run (per rank in a merged summary)
     pipeline: dict[str, Any] = field(default_factory=dict)  # PipelineMonitor's last snapshot (docs/pipeline.md)
     trace: dict[str, Any] = field(default_factory=dict)  # highlights of the run's torch.profiler traces
+    eval: dict[str, Any] = field(default_factory=dict)  # validation passes between training steps, kept apart
+    hotspots: dict[str, Any] = field(default_factory=dict)  # per phase: the source lines host time was spent on
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -276,6 +278,8 @@ class RunSummary:
                 series=None if data.get("series") is None else _build(StepSeries, data["series"]),
                 pipeline=dict(data.get("pipeline", {})),
                 trace=dict(data.get("trace", {})),
+                eval=dict(data.get("eval", {})),
+                hotspots=dict(data.get("hotspots", {})),
                 schema_version=version,
             )
         except (TypeError, AttributeError) as exc:
@@ -334,5 +338,9 @@ def _add_series(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "series": None, "pipeline": {}, "trace": {}, "schema_version": 3}
 
 
+def _add_eval(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "eval": {}, "hotspots": {}, "schema_version": 4}
+
+
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
-_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series}
+_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval}
