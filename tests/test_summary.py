@@ -280,9 +280,10 @@ def test_values_outside_the_vocabulary_are_refused(tmp_path, edit, message):
 def test_schema_1_file_is_upgraded_with_empty_facts():
     data = RunSummary().to_dict()
     data["schema_version"] = 1
-    del data["facts"], data["dataloader"], data["series"], data["pipeline"], data["trace"]
+    del data["facts"], data["dataloader"], data["series"], data["pipeline"], data["trace"], data["eval"]
+    del data["hotspots"]
     summary = RunSummary.from_dict(data)
-    assert summary.schema_version == 3
+    assert summary.schema_version == SCHEMA_VERSION
     assert summary.facts == {} and summary.dataloader == {}
     assert summary.series is None and summary.pipeline == {} and summary.trace == {}
 
@@ -292,10 +293,10 @@ def test_schema_2_file_and_its_ranks_are_upgraded_without_series_pipeline_or_tra
     data = RunSummary().to_dict()
     for d in (rank, data):
         d["schema_version"] = 2
-        del d["series"], d["pipeline"], d["trace"]
+        del d["series"], d["pipeline"], d["trace"], d["eval"], d["hotspots"]
     data["ranks"] = [rank]
     summary = RunSummary.from_dict(data)
-    assert summary.schema_version == 3 and summary.ranks[0].schema_version == 3
+    assert summary.schema_version == SCHEMA_VERSION and summary.ranks[0].schema_version == SCHEMA_VERSION
     assert summary.series is None and summary.ranks[0].pipeline == {}
     assert summary.trace == {} and summary.ranks[0].trace == {}
 
@@ -303,13 +304,22 @@ def test_schema_2_file_and_its_ranks_are_upgraded_without_series_pipeline_or_tra
 def test_schema_3_file_without_trace_highlights_loads_with_an_empty_trace():
     """Version 3 gained ``trace`` before its release: a version-3 file written without it still loads."""
     data = full_summary().to_dict()
-    del data["trace"]
+    data["schema_version"] = 3
+    del data["trace"], data["eval"], data["hotspots"]
     assert RunSummary.from_dict(data).trace == {}
+
+
+def test_schema_3_file_is_upgraded_with_empty_eval_and_hotspots():
+    data = full_summary().to_dict()
+    data["schema_version"] = 3
+    del data["eval"], data["hotspots"]
+    summary = RunSummary.from_dict(data)
+    assert (summary.schema_version, summary.eval, summary.hotspots) == (SCHEMA_VERSION, {}, {})
 
 
 def test_trace_highlights_are_a_top_level_field_after_pipeline():
     data = orjson.loads(full_summary().to_json())
-    assert list(data)[-2:] == ["pipeline", "trace"]
+    assert list(data)[-4:] == ["pipeline", "trace", "eval", "hotspots"]
     assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
     assert RunSummary().to_dict()["trace"] == {}
 
