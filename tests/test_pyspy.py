@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import site
 import signal
 import stat
 import subprocess
@@ -316,9 +317,14 @@ def test_py_spy_dying_mid_run_does_not_touch_the_run(tmp_path):
 
 
 def venv_without_py_spy(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """A Python with no py-spy beside it nor on PATH (a virtual environment on this one's packages), and its env."""
+    """A Python with no py-spy beside it nor on PATH (a virtual environment on this one's packages), and its env.
+
+    ``--system-site-packages`` would give the *base* interpreter's packages, which need not include stepscope's
+    dependencies (a fresh machine's has none): a ``.pth`` file puts this environment's site-packages on its path."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site_dir,) = venv.glob("lib/python*/site-packages")
+    (site_dir / "stepscope-test.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return venv / "bin", run_env({"PATH": f"{venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"})
 
 
