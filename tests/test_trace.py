@@ -1012,7 +1012,7 @@ HOSTILE = '<script>alert(1)</script>_kernel<float, "q">'
 RANK_HIGHLIGHTS = {
     "rank", "job", "file", "device_type", "steps", "step_ms", "kernel_span_ms", "idle_pct", "compute_pct",
     "non_compute_pct", "overlap_pct", "exposed_comm_pct", "idle_breakdown", "data_loading", "cpu", "phases_ms",
-    "top_kernels", "notes", "verdict",
+    "top_kernels", "notes", "verdict", "step_source", "trace_ms", "top_ops",
 }  # fmt: skip
 
 
@@ -1021,7 +1021,8 @@ def test_highlights_of_a_real_two_rank_trace(tmp_path):
     folder = HTA / "trace_filter"
     analysis = analyze_trace(folder, jobs=1)
     result = highlights(analysis, folder)
-    assert set(result) == {"folder", "files", "verdict", "ranks", "stragglers", "warnings", "skipped"}
+    assert set(result) == {"folder", "files", "verdict", "ranks", "stragglers", "late_ranks", "warnings", "skipped"}
+    assert result["late_ranks"] == [] and "no late-rank analysis" in result["warnings"][0], "sampled ranks disagree"
     assert (result["folder"], result["files"], result["skipped"]) == (str(folder), 2, [])
     assert result["verdict"] == dataclasses.asdict(analysis.verdict)
     assert [(r["rank"], r["job"], r["file"]) for r in result["ranks"]] == [
@@ -1062,7 +1063,8 @@ def test_highlights_of_a_synthetic_trace_with_a_hostile_kernel_name_and_a_broken
     (rank,) = result["ranks"]
     assert (rank["rank"], rank["job"], rank["file"]) == (0, ".", "rank0.step4-6.pt.trace.json.gz")
     assert [k["name"] for k in rank["top_kernels"]] == [GEMM, HOSTILE], "kept as is: escaping is the page's job"
-    assert rank["data_loading"] == {"spans": 2, "per_step_ms": 0.6, "step_share_pct": 60.0, "gpu_idle_pct": 100.0}
+    assert rank["data_loading"] == {"spans": 2, "per_step_ms": 0.6, "step_share_pct": 60.0, "gpu_idle_pct": 100.0,
+                                    "total_ms": 1.2, "trace_share_pct": None}  # fmt: skip
     assert rank["cpu"] is None and rank["verdict"]["bound"] == result["verdict"]["bound"] == "data"
     assert result["skipped"] == [{"file": "sub/broken.json", "reason": "the file ends inside traceEvents after 0 "
                                   "events (truncated)"}]  # fmt: skip

@@ -54,6 +54,20 @@ def kernel_table(rank: RankTrace, ascii_only: bool = False) -> Table:
     return table
 
 
+def ops_table(rank: RankTrace, ascii_only: bool = False) -> Table:
+    """The rank's top host operators by self CPU time, as ``key_averages()`` tables them."""
+    table = Table(
+        box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1)
+    )
+    table.add_column("operator", no_wrap=True, max_width=50, overflow="ellipsis")
+    for column in ("calls", "self ms", "self %", "total ms"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for op in rank.top_ops:
+        table.add_row(escape(op.name), f"{op.count:,}", f"{op.self_ms:,.2f}", f"{op.self_pct:.1f}",
+                      f"{op.total_ms:,.2f}")  # fmt: skip
+    return table
+
+
 def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | None = None) -> None:
     """Print the analysis: rank table, the first ranks' top kernels, CPU-only shares, stragglers, verdict, errors."""
     console: Console = _console(file)
@@ -81,6 +95,9 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
                     f"rank {r.rank} (CPU only): ATen ops {r.cpu.computation_pct:.1f}%, other {r.cpu.other_pct:.1f}% "
                     f"of {r.cpu.basis_ms:,.1f} ms on thread {r.cpu.thread}"
                 )
+            if r.top_ops:
+                console.print(f"top operators, rank {r.rank} (self CPU time, whole trace):")
+                console.print(ops_table(r, plain))
             if r.phases_ms:
                 phases = ", ".join(f"{name} {ms:.2f}" for name, ms in r.phases_ms.items())
                 console.print(f"rank {r.rank} stepscope phases, ms per step: {phases}")
@@ -91,7 +108,13 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
                 f"straggler: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['slower_pct']:.0f}% over the other "
                 f"ranks' median ({s['median_step_ms']:.2f} ms); {escape(s['why'])}"
             )
-        verdict = ranks[0].verdict if len(ranks) == 1 else job_verdict(ranks)
+        late = [s for s in analysis.late_ranks if s["job"] == job]
+        for s in late:
+            console.print(
+                f"late rank: {s['rank']}, the others wait {s['waited_ms']:.2f} ms {s['unit']} for it in collectives "
+                f"({s['wait_share_pct']:.0f}% of their communication); cause: {s['cause']}"
+            )
+        verdict = ranks[0].verdict if len(ranks) == 1 else job_verdict(ranks, late)
         console.print(escape(f"bound: {verdict.bound} [confidence {verdict.confidence}]"))
         for line in verdict.evidence:
             console.print(f"  {escape(line)}")

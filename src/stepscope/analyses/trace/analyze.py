@@ -18,7 +18,10 @@ from typing import Any
 import numpy as np
 
 from stepscope.analyses.trace import breakdown as bd
+from stepscope.analyses.trace.collectives import RankCollectives, late_ranks, rank_collectives
 from stepscope.analyses.trace.events import TraceEvents, read_trace, trace_files
+from stepscope.analyses.trace.ops import OpStat, top_ops
+from stepscope.analyses.trace.steps import step_marks
 from stepscope.analyses.trace.stream import TraceReadError
 from stepscope.instrument.profile import RANGE_PREFIX
 from stepscope.summary import Verdict
@@ -59,6 +62,15 @@ DEFINITIONS = {
     "gpu_idle_pct: share of their time with no device event running",
     "cpu": "CPU-only traces: union of aten:: ops on the thread with the ProfilerSteps (else the busiest), % of "
     "the window",
+    "steps": "ProfilerStep ranges; without them, the marks of stepscope/step, stepscope/optimizer, a user "
+    "record_function repeating once per iteration, or Optimizer.step#: n marks give n-1 steps, start to start; "
+    "without any, no per-step figure (trace_ms: the whole trace)",
+    "top_ops": "CPU-only traces: host events by name over the whole trace, as key_averages(): calls, self time (own "
+    "duration minus direct children on the same thread), % of all self time, total time",
+    "late_ranks": "collectives matched across ranks by name and order, clocks aligned on their ends; the rank that "
+    "starts last is late, the others' time until it starts is waiting; named when that is at least half the others' "
+    "communication time, with the part (data, compute, host) of the time before the collectives where it exceeds "
+    "the others",
 }
 
 
@@ -79,9 +91,11 @@ class DataLoading:
     """DataLoader spans seen on the host: per step (ms), share of the step (%), and GPU idleness during them (%)."""
 
     spans: int
-    per_step_ms: float
+    per_step_ms: float | None  # None without step markers
     step_share_pct: float | None
     gpu_idle_pct: float | None
+    total_ms: float = 0.0
+    trace_share_pct: float | None = None  # share of the whole trace, given when there are no step markers
 
 
 @dataclass
@@ -103,8 +117,10 @@ class RankTrace:
     job: str  # the folder the file is in: the files of one folder are the ranks of one job
     rank_source: str
     device_type: str
-    steps: int = 0  # ProfilerSteps in the window
+    steps: int = 0  # ProfilerSteps in the window, else steps between other step marks (`step_source`)
     step_ms: float | None = None  # their mean duration
+    step_source: str | None = None  # "ProfilerStep", another marker (see DEFINITIONS["steps"]) or None
+    trace_ms: float | None = None  # first event start to last event end: the basis when there are no steps
     kernel_span_ms: float | None = None
     idle_pct: float | None = None
     compute_pct: float | None = None
@@ -117,6 +133,7 @@ class RankTrace:
     top_kernels: list[KernelStat] = field(default_factory=list)
     data_loading: DataLoading | None = None
     cpu: CpuShare | None = None
+    top_ops: list[OpStat] = field(default_factory=list)  # CPU-only traces: as key_averages()
     phases_ms: dict[str, float] = field(default_factory=dict)  # stepscope's phase ranges, mean per step
     notes: list[str] = field(default_factory=list)
     verdict: Verdict = field(default_factory=Verdict)
@@ -144,6 +161,7 @@ class TraceAnalysis:
     verdict: Verdict
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     spread: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # job -> figure -> min/max/...
+    late_ranks: list[dict[str, Any]] = field(default_factory=list)  # see collectives.late_ranks, with "job"
     warnings: list[str] = field(default_factory=list)
     definitions: dict[str, str] = field(default_factory=lambda: dict(DEFINITIONS))
 
@@ -241,29 +259,37 @@ def _host_rows(trace: TraceEvents, pattern: re.Pattern[str], win: bd.Window) -> 
     return rows
 
 
-def _data_loading(trace: TraceEvents, win: bd.Window, dev: bd.DeviceTime | None) -> DataLoading | None:
+def _data_loading(
+    trace: TraceEvents, win: bd.Window, dev: bd.DeviceTime | None, marked: bool, trace_us: float
+) -> DataLoading | None:
+    """DataLoader spans per step; ``marked``: the steps come from another marker than ProfilerStep, so spans are cut
+    to them (marks start to start leave time before the first and after the last); none: over the whole trace."""
     rows = _host_rows(trace, DATALOADER, win)
     if not rows.any():
         return None
     spans = bd.merge(trace.cpu["ts"][rows], trace.cpu["end"][rows])
+    if marked and win.steps:
+        spans = bd.clip(spans, win.steps[0][0], win.steps[-1][1])
     total = bd.length(spans)
     steps = len(win.steps)
-    per_step = total / steps if steps else total
-    step_share = None
+    per_step = total / steps / 1000 if steps else None
+    step_share = trace_share = None
     if steps:
         step_us = sum(end - start for start, end in win.steps)
         step_share = 100 * total / step_us if step_us > 0 else None
+    elif trace_us > 0:
+        trace_share = 100 * total / trace_us
     gpu_idle = None
     if dev is not None and len(dev.busy[0]) and total > 0:
         gpu_idle = 100 * (total - bd.intersection(spans, dev.busy)) / total
-    return DataLoading(int(rows.sum()), per_step / 1000, step_share, gpu_idle)
+    return DataLoading(int(rows.sum()), per_step, step_share, gpu_idle, total / 1000, trace_share)
 
 
 def _phases(trace: TraceEvents, win: bd.Window) -> dict[str, float]:
     rows = _host_rows(trace, PHASE_RANGE, win)
-    if not rows.any():
+    if not rows.any() or not win.steps:  # per step only: without steps a total is not a step's
         return {}
-    steps = max(len(win.steps), 1)
+    steps = len(win.steps)
     spent = np.bincount(trace.cpu["name"][rows], weights=trace.cpu["end"][rows] - trace.cpu["ts"][rows])
     return {trace.names[i].removeprefix(RANGE_PREFIX): float(spent[i]) / steps / 1000 for i in np.flatnonzero(spent)}
 
@@ -294,13 +320,37 @@ def _cpu_share(trace: TraceEvents, win: bd.Window) -> CpuShare | None:
     return CpuShare(thread, (hi - lo) / 1000, share, 100 - share)
 
 
-def analyze_rank(trace: TraceEvents, job_step_names: int, top: int = 10) -> RankTrace:
-    """Every figure for one rank (see `DEFINITIONS`); ``job_step_names``: distinct ProfilerStep names in the job."""
+def _trace_us(trace: TraceEvents) -> float:
+    """First event start to last event end (µs): times start at 0 at the first kept event."""
+    ends = [float(c["end"].max()) for c in (trace.device, trace.runtime, trace.cpu) if len(c["end"])]
+    return max(ends, default=0.0)
+
+
+def _duration(us: float) -> str:
+    return f"{us / 1e6:.2f} s" if us >= 1e6 else f"{us / 1000:.1f} ms"
+
+
+def analyze_rank(trace: TraceEvents, job_step_names: int, top: int = 10) -> tuple[RankTrace, RankCollectives | None]:
+    """Every figure for one rank (see `DEFINITIONS`), and its collectives for the cross-rank comparison;
+    ``job_step_names``: distinct ProfilerStep names in the job."""
     win = bd.window(trace, job_step_names)
     result = RankTrace(trace.rank, str(trace.path), str(trace.path.parent), trace.rank_source, trace.device_type)
-    result.steps, result.step_ms = _step_stats(win)
+    trace_us = _trace_us(trace)
+    result.trace_ms = trace_us / 1000
     if win.note:
         result.notes.append(win.note)
+    marked = False
+    if win.steps:
+        result.step_source = "ProfilerStep"
+    elif (marks := step_marks(trace)) is not None:
+        win.steps, result.step_source, marked = marks.steps, marks.source, True
+        result.notes.append(
+            f"no ProfilerStep: {len(marks.steps)} step(s) between the {len(marks.steps) + 1} {marks.source} marks "
+            "(each from one mark's start to the next's)"
+        )
+    else:
+        result.notes.append(f"no step markers: figures are over the whole {_duration(trace_us)} trace")
+    result.steps, result.step_ms = _step_stats(win)
     dev = bd.device_time(trace, win)
     span = bd.temporal(dev)
     if span is None:
@@ -334,23 +384,29 @@ def analyze_rank(trace: TraceEvents, job_step_names: int, top: int = 10) -> Rank
         result.kernel_types, result.top_kernels = _kernels(trace, dev, top)
         if note := _hidden_collectives(trace, dev):
             result.notes.append(note)
-    result.data_loading = _data_loading(trace, win, dev_for_data)
+    result.data_loading = _data_loading(trace, win, dev_for_data, marked, trace_us)
     result.phases_ms = _phases(trace, win)
     if span is None:
         result.cpu = _cpu_share(trace, win)
+        result.top_ops = top_ops(trace, top)
     result.verdict = rank_verdict(result)
-    return result
+    steps_span = (win.steps[0][0], win.steps[-1][1]) if win.steps else None
+    basis = span.basis_us if span is not None else steps_span[1] - steps_span[0] if steps_span else trace_us
+    # host collectives, and any collective when the steps are not ProfilerStep's window, count inside the steps
+    cut = steps_span if span is None or marked else None
+    loader = _host_rows(trace, DATALOADER, win)
+    return result, rank_collectives(trace, win, dev, loader, basis, cut)
 
 
 def _losses(rank: RankTrace) -> dict[str, tuple[float, str]]:
     """Share (%) of the rank's time each cause costs, with the sentence that shows it."""
     losses: dict[str, tuple[float, str]] = {}
     data = rank.data_loading
-    if data and data.step_share_pct is not None:
+    if data and (share := _data_share(data)) is not None:
         idle_frac = (data.gpu_idle_pct if data.gpu_idle_pct is not None else 100.0) / 100
         losses["data"] = (
-            data.step_share_pct * idle_frac,
-            f"DataLoader spans take {data.per_step_ms:.1f} ms per step ({data.step_share_pct:.0f}% of the step)"
+            share * idle_frac,
+            _data_words(data)
             + (f", the GPU idle for {data.gpu_idle_pct:.0f}% of them" if data.gpu_idle_pct is not None else ""),
         )
     if rank.exposed_comm_pct is not None:
@@ -369,6 +425,17 @@ def _losses(rank: RankTrace) -> dict[str, tuple[float, str]]:
             "it waiting for the host to launch the next kernel",
         )
     return losses
+
+
+def _data_share(data: DataLoading) -> float | None:
+    """The loader's share of the steps, else (no step markers) of the whole trace."""
+    return data.step_share_pct if data.step_share_pct is not None else data.trace_share_pct
+
+
+def _data_words(data: DataLoading) -> str:
+    if data.per_step_ms is not None and data.step_share_pct is not None:
+        return f"DataLoader spans take {data.per_step_ms:.1f} ms per step ({data.step_share_pct:.0f}% of the step)"
+    return f"DataLoader spans take {data.total_ms:.1f} ms, {data.trace_share_pct or 0:.0f}% of the whole trace"
 
 
 def rank_verdict(rank: RankTrace) -> Verdict:
@@ -393,10 +460,9 @@ def _cpu_verdict(rank: RankTrace, cpu: CpuShare) -> Verdict:
     """CPU-only traces: the loader's share of the step against the ATen ops' share of the main thread."""
     ops = f"ATen ops take {cpu.computation_pct:.0f}% of the main thread's time (CPU-only trace)"
     data = rank.data_loading
-    data_share = data.step_share_pct if data is not None and data.step_share_pct is not None else 0.0
+    data_share = (_data_share(data) if data is not None else None) or 0.0
     if data is not None and data_share >= LOSS_FLOOR_PCT and data_share >= cpu.computation_pct:
-        why = f"DataLoader spans take {data.per_step_ms:.1f} ms per step ({data_share:.0f}% of the step)"
-        return Verdict("data", "high" if data_share >= 50 else "medium", [why, ops])
+        return Verdict("data", "high" if data_share >= 50 else "medium", [_data_words(data), ops])
     if cpu.computation_pct >= COMPUTE_BOUND_PCT:
         return Verdict("compute", "medium", [ops])
     return Verdict("unknown", "low", [ops])
@@ -443,12 +509,19 @@ def _stragglers(ranks: list[RankTrace]) -> list[dict[str, Any]]:
     }]  # fmt: skip
 
 
-def job_verdict(ranks: list[RankTrace]) -> Verdict:
-    """The verdict of most ranks of one job, with the first such rank's evidence."""
+def job_verdict(ranks: list[RankTrace], late: list[dict[str, Any]] | None = None) -> Verdict:
+    """The verdict of most ranks of one job, with the first such rank's evidence; but when the ranks lose at least
+    15% of their time waiting in collectives for a late rank (``late``: `late_ranks`), that rank decides it."""
     if not ranks:
         return Verdict("unknown", "low", ["nothing could be analysed"])
     if len({r.job for r in ranks}) > 1:
         return Verdict("unknown", "low", ["several jobs: see each rank's verdict"])
+    for found in late or []:
+        if found["wait_pct"] >= LOSS_FLOOR_PCT:
+            confidence = (
+                "high" if found["wait_pct"] >= 25 and found["cause_ms"] > 2 * found["others_cause_ms"] else "medium"
+            )
+            return Verdict(found["cause"], confidence, list(found["evidence"]))
     bounds = Counter(r.verdict.bound for r in ranks)
     bound, count = bounds.most_common(1)[0]
     example = next(r for r in ranks if r.verdict.bound == bound)
@@ -480,12 +553,14 @@ def analyze_trace(
         traces = [t for t in traces if t.rank in wanted]
     results: list[RankTrace] = []
     stragglers: list[dict[str, Any]] = []
+    late: list[dict[str, Any]] = []
     spread: dict[str, dict[str, dict[str, float]]] = {}
     for job, members in _jobs(traces).items():
         step_names: set[str] = set()
         for trace in members:
             step_names |= bd.profiler_steps(trace)[2]
-        analysed = sorted((analyze_rank(t, len(step_names), top) for t in members), key=lambda r: r.rank)
+        pairs = sorted((analyze_rank(t, len(step_names), top) for t in members), key=lambda pair: pair[0].rank)
+        analysed = [rank for rank, _ in pairs]
         results += analysed
         seen = Counter(r.rank for r in analysed)
         if duplicated := sorted(r for r, n in seen.items() if n > 1):
@@ -495,11 +570,16 @@ def analyze_trace(
             )
             continue
         stragglers += [{"job": job, **s} for s in _stragglers(analysed)]
+        if all(c is not None for _, c in pairs):
+            found, note = late_ranks([c for _, c in pairs])
+            late += [{"job": job, **entry} for entry in found]
+            if note:
+                warnings.append(f"{job}: {note}")
         if job_spread := _spread(analysed):
             spread[job] = job_spread
     return TraceAnalysis(
-        ranks=results, files=statuses, verdict=job_verdict(results), stragglers=stragglers, spread=spread,
-        warnings=warnings,
+        ranks=results, files=statuses, verdict=job_verdict(results, late), stragglers=stragglers, spread=spread,
+        late_ranks=late, warnings=warnings,
     )  # fmt: skip
 
 

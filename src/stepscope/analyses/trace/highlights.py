@@ -33,6 +33,7 @@ def highlights(analysis: TraceAnalysis, folder: str | Path, top: int = TOP_KERNE
         "verdict": dataclasses.asdict(analysis.verdict),
         "ranks": [_rank(r, root, top) for r in analysis.ranks],
         "stragglers": [{**_rounded(s), "job": _relative(s["job"], root)} for s in analysis.stragglers],
+        "late_ranks": [{**_rounded(s), "job": _relative(s["job"], root)} for s in analysis.late_ranks],
         "warnings": list(analysis.warnings),
         "skipped": [{"file": _relative(f.path, root), "reason": f.reason} for f in analysis.files if not f.ok],
     }
@@ -45,11 +46,14 @@ def _rank(r: RankTrace, root: Path, top: int) -> dict[str, Any]:
         "file": Path(r.file).name,
         "device_type": r.device_type,
         "steps": r.steps,
+        "step_source": r.step_source,
+        "trace_ms": _round(r.trace_ms),
         **{name: _round(getattr(r, name)) for name in FIGURES},
         "idle_breakdown": _rounded(r.idle_breakdown),
         "data_loading": _rounded(dataclasses.asdict(r.data_loading)) if r.data_loading else None,
         "cpu": _rounded({k: v for k, v in dataclasses.asdict(r.cpu).items() if k != "thread"}) if r.cpu else None,
         "phases_ms": _rounded(r.phases_ms),
+        "top_ops": [_rounded(dataclasses.asdict(op)) | {"name": _cut(op.name)} for op in r.top_ops[:top]],
         "top_kernels": [
             {
                 "name": _cut(k.name),

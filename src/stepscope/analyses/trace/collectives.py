@@ -1,0 +1,203 @@
+"""Late ranks: which rank the others wait for in their collectives, and what it was doing instead.
+
+A collective ends on every rank at about the same time, once the last rank has arrived; a rank that arrives early
+spends the difference waiting inside its communication kernel (NCCL) or its ``gloo:`` range (CPU), so its trace
+looks comms-bound while the cause is on another rank. Here each rank's collectives are matched across ranks by name
+and order of issue (every rank issues the same collectives in the same order), clocks are aligned on the collectives'
+ends (the median difference per rank, so hosts whose clocks differ still compare), and at each collective the rank
+that starts last is the late one: the others' time from their own start to its start is waiting.
+
+What the late rank was doing: for each rank, the time from the end of its previous collective (else the start of
+its step) to the start of this one is split into data loading (DataLoader spans), compute (computation kernels; on
+CPU-only traces ATen ops) and host (the rest: Python, launches, waits). The part where the late rank exceeds the
+other ranks' median most is the cause.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stepscope.analyses.trace import breakdown as bd
+from stepscope.analyses.trace.events import TraceEvents
+
+GLOO_COLLECTIVE = re.compile(r"^gloo:")
+ATEN_OP = re.compile(r"^aten::")
+END_SLACK_US = 100.0  # a collective's ends on the ranks, clocks aligned, agree within this plus 10% of its duration
+LATE_WAIT_SHARE_PCT = 50.0  # the others spend at least this share of their communication waiting for the rank
+CAUSES = {"data": "data loading", "compute": "compute", "host": "host work (Python, launches, waits)"}
+
+
+@dataclass
+class RankCollectives:
+    """One rank's collectives in order of start: name, absolute start and end (µs), and the parts of the time before
+    each (µs since the end of the previous collective, else the step's start) spent on data, compute and host."""
+
+    rank: int
+    names: list[str]
+    start: np.ndarray
+    end: np.ndarray
+    before: dict[str, np.ndarray]  # "data", "compute", "host" -> µs per collective
+    basis_us: float  # the rank's time basis: its kernel span, else (CPU-only) its steps or its trace
+    steps: int
+    kind: str  # "NCCL kernels" or "gloo ranges"
+
+
+def _covered_before(intervals: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
+    """For each time in ``t``, how much of the disjoint sorted ``intervals`` lies before it (µs)."""
+    starts, ends = intervals
+    if len(starts) == 0:
+        return np.zeros(len(t))
+    cum = np.r_[0.0, np.cumsum(ends - starts)]
+    started = np.searchsorted(starts, t, side="right")
+    overshoot = np.where(started > 0, np.maximum(ends[np.maximum(started - 1, 0)] - t, 0.0), 0.0)
+    return cum[started] - overshoot
+
+
+def _within(intervals: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return _covered_before(intervals, hi) - _covered_before(intervals, lo)
+
+
+def rank_collectives(
+    trace: TraceEvents,
+    win: bd.Window,
+    dev: bd.DeviceTime,
+    loader: np.ndarray,
+    basis_us: float,
+    cut: tuple[float, float] | None,
+) -> RankCollectives | None:
+    """A rank's collectives (NCCL kernels, else ``gloo:`` host ranges) and what came before each; None without any.
+
+    ``loader``: the rows of ``trace.cpu`` that are DataLoader spans; ``basis_us``: the time the rank's shares are of;
+    ``cut``: keep only the collectives that start in it (the steps, when they are not ProfilerStep's window).
+    """
+    comm = dev.types == bd.COMMUNICATION
+    cpu = trace.cpu
+    if comm.any():
+        kind = "NCCL kernels"
+        ts, end, name = dev.ts[comm], dev.end[comm], dev.name[comm]
+        compute = dev.by_type[bd.COMPUTATION]
+    else:
+        rows = trace.named(cpu["name"], GLOO_COLLECTIVE)
+        if win.dropped_step and win.steps:
+            rows &= cpu["ts"] < win.steps[-1][1]
+        if not rows.any():
+            return None
+        kind = "gloo ranges"
+        ts, end, name = cpu["ts"][rows], cpu["end"][rows], cpu["name"][rows]
+        aten = (cpu["kind"] == 0) & trace.named(cpu["name"], ATEN_OP)
+        compute = bd.merge(cpu["ts"][aten], cpu["end"][aten])
+    if cut is not None:
+        inside = (ts >= cut[0]) & (ts < cut[1])
+        ts, end, name = ts[inside], end[inside], name[inside]
+        if len(ts) == 0:
+            return None
+    order = np.argsort(ts, kind="stable")
+    ts, end, name = ts[order], end[order], name[order]
+    previous_end = np.r_[np.nan, np.maximum.accumulate(end)[:-1]]
+    step_starts = np.array([s for s, _ in win.steps]) if win.steps else np.zeros(0)
+    in_step = np.searchsorted(step_starts, ts, side="right") - 1
+    step_start = np.where(in_step >= 0, step_starts[np.maximum(in_step, 0)] if len(step_starts) else np.nan, np.nan)
+    # the first collective has no previous one: its step's start, when there are steps, opens the segment
+    lo = np.where(np.isnan(previous_end), step_start, previous_end)
+    known = ~np.isnan(lo) & (lo < ts)
+    lo = np.where(known, lo, ts)
+    data = bd.merge(cpu["ts"][loader], cpu["end"][loader])
+    either = bd.merge(np.r_[data[0], compute[0]], np.r_[data[1], compute[1]])
+    seg = ts - lo
+    data_us, compute_us = _within(data, lo, ts), _within(compute, lo, ts)
+    before = {"data": data_us, "compute": compute_us, "host": seg - _within(either, lo, ts)}
+    names = [trace.names[i] for i in name.tolist()]
+    origin = trace.origin_us
+    return RankCollectives(trace.rank, names, ts + origin, end + origin, before, basis_us, len(win.steps), kind)
+
+
+def _matched(ranks: list[RankCollectives]) -> tuple[list[str], np.ndarray] | None:
+    """For each collective every rank issued (same name, same occurrence), its index in each rank's lists:
+    rows are ranks, columns collectives in the first rank's order. None when nothing matches."""
+    keys = []
+    for r in ranks:
+        seen: dict[str, int] = {}
+        own = {}
+        for i, name in enumerate(r.names):
+            n = seen.get(name, 0)
+            seen[name] = n + 1
+            own[(name, n)] = i
+        keys.append(own)
+    common = [k for k in keys[0] if all(k in other for other in keys[1:])]
+    if not common:
+        return None
+    common.sort(key=lambda k: keys[0][k])
+    return [k[0] for k in common], np.array([[own[k] for k in common] for own in keys])
+
+
+def late_ranks(ranks: list[RankCollectives]) -> tuple[list[dict[str, Any]], str | None]:
+    """The rank the others wait for at their collectives, when they wait for it at least half of their
+    communication time: how late it is, what the others lose, and what it did instead (see the module's doc).
+
+    Also a note when the collectives cannot be compared: a collective ends on every rank at about the same time, so
+    matched collectives whose ends disagree (ranks traced over different steps, say) are no evidence."""
+    if len(ranks) < 2:
+        return [], None
+    matched = _matched(ranks)
+    if matched is None:
+        return [], None
+    names, index = matched
+    start = np.stack([r.start[i] for r, i in zip(ranks, index, strict=True)])
+    end = np.stack([r.end[i] for r, i in zip(ranks, index, strict=True)])
+    offset = np.median(end - end[0], axis=1)  # clock of each rank against the first, from the collectives' ends
+    apart = np.abs(end - offset[:, None] - end[0]).max(axis=0)
+    agree = apart <= END_SLACK_US + 0.1 * np.median(end - start, axis=0)
+    if agree.sum() * 2 < len(names):
+        return [], (
+            f"the {len(names)} collectives matched across ranks (by name and order) do not end together even with "
+            f"the clocks aligned (up to {float(apart.max()) / 1000:.1f} ms apart): no late-rank analysis"
+        )
+    names = [name for name, ok in zip(names, agree.tolist(), strict=True) if ok]
+    index, start, end = index[:, agree], start[:, agree], end[:, agree]
+    arrival = start - offset[:, None]
+    last = np.argmax(arrival, axis=0)
+    wait = np.clip(arrival.max(axis=0) - arrival, 0.0, end - start)  # a rank cannot wait longer than its collective
+    comm = (end - start).sum(axis=1)
+    late = int(np.bincount(last, weights=wait.sum(axis=0), minlength=len(ranks)).argmax())
+    others = [i for i in range(len(ranks)) if i != late]
+    waited = wait[others][:, last == late].sum(axis=1)  # µs each other rank waited for the late one
+    share = 100 * float(waited.sum()) / float(comm[others].sum()) if comm[others].sum() > 0 else 0.0
+    if share < LATE_WAIT_SHARE_PCT:
+        return [], None
+    slow = ranks[late]
+    cols = last == late
+    excess = {}
+    for part in CAUSES:
+        mine = slow.before[part][index[late][cols]]
+        theirs = np.median(np.stack([ranks[i].before[part][index[i][cols]] for i in others]), axis=0)
+        excess[part] = (float(mine.sum()), float(theirs.sum()))
+    cause = max(excess, key=lambda part: excess[part][0] - excess[part][1])
+    per = max(slow.steps, 1)
+    unit = "per step" if slow.steps else "in the trace"
+    lateness = arrival[late, cols] - np.median(arrival[others][:, cols], axis=0)
+    wait_pct = statistics.fmean(
+        100 * float(waited[j]) / ranks[i].basis_us if ranks[i].basis_us > 0 else 0.0 for j, i in enumerate(others)
+    )
+    mine_ms, theirs_ms = excess[cause][0] / 1000 / per, excess[cause][1] / 1000 / per
+    waited_ms = float(np.median(waited)) / 1000 / per
+    collective = names[int(np.flatnonzero(cols)[0])]
+    evidence = [
+        f"rank {slow.rank} starts {int(cols.sum())} of {len(names)} collectives last ({slow.kind}, e.g. "
+        f"{collective[:60]}), {float(np.mean(lateness)) / 1000:.2f} ms after the other ranks' median on average",
+        f"the other ranks wait {waited_ms:.2f} ms {unit} for it inside their collectives: {share:.0f}% of their "
+        f"communication time, {wait_pct:.0f}% of their time",
+        f"before those collectives rank {slow.rank} spends {mine_ms:.2f} ms {unit} on {CAUSES[cause]}, the other "
+        f"ranks {theirs_ms:.2f} ms (median)",
+    ]
+    return [{
+        "rank": slow.rank, "cause": cause, "collectives": len(names), "last_at": int(cols.sum()),
+        "late_ms": float(np.mean(lateness)) / 1000, "waited_ms": waited_ms, "wait_share_pct": share,
+        "wait_pct": wait_pct, "cause_ms": mine_ms, "others_cause_ms": theirs_ms, "unit": unit,
+        "clock_offset_ms": {str(ranks[i].rank): float(offset[i]) / 1000 for i in range(len(ranks))},
+        "evidence": evidence,
+    }], None  # fmt: skip
