@@ -116,6 +116,21 @@ def read_us(source: Any, n: int) -> float:
     return min(times)
 
 
+def contention_us(n: int) -> float:
+    """µs per contention read alone (run delay of every thread of this process and its children from schedstat,
+    involuntary switches from status, load average): part of every host read, timed apart (best of 3)."""
+    source = HostSource()
+    source.start(time.monotonic())
+    children = list(source._children)
+    times = []
+    for _ in range(3):
+        c0 = time.thread_time()
+        for _ in range(n):
+            source._contention(children, 1.0)
+        times.append((time.thread_time() - c0) / n * 1e6)
+    return min(times)
+
+
 def real_nvml_us(n: int) -> float | None:
     """µs per read of one real GPU through nvidia-ml-py, or None without one."""
     try:
@@ -152,6 +167,7 @@ def main() -> None:
             runs = [sampler_cost(1.0 / hz, args.window_s, args.gpus) for _ in range(args.repeats)]
             result[f"{hz}hz"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         result["host_read_us"] = read_us(HostSource(), 500)
+        result["contention_read_us"] = contention_us(500)
         result["fake_gpu_read_us"] = read_us(GpuSource.open(ConstantNvml(args.gpus), list(range(args.gpus))), 2000)
         result["real_nvml_read_us"] = real_nvml_us(500)
     finally:
@@ -169,6 +185,7 @@ def main() -> None:
             f"{r['pct_core']:.3f}% of one core  ({r['samples']:.0f} samples/window)"
         )
     print(f"host source read      {result['host_read_us']:8.1f} µs")
+    print(f"  of which contention {result['contention_read_us']:8.1f} µs (schedstat, status, load average)")
     print(f"fake GPU source read  {result['fake_gpu_read_us']:8.1f} µs")
     if result["real_nvml_read_us"] is not None:
         print(f"real NVML read (1 GPU) {result['real_nvml_read_us']:7.1f} µs")

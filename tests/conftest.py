@@ -11,6 +11,14 @@ test can grab one step's events and complete them before (or after) another step
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -117,3 +125,19 @@ def clock() -> FakeClock:
 @pytest.fixture
 def events() -> FakeEvents:
     return FakeEvents()
+
+
+@pytest.fixture
+def burner() -> Iterator[list[int]]:
+    """One process spinning on each usable core, killed at the end by its pid. Started detached (the shell that
+    starts it exits at once), so that it is another process's load, not a child of this one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    spin = f"{sys.executable} -c 'while True: pass' </dev/null >/dev/null 2>&1 & echo $!"
+    pids = [int(subprocess.run(["sh", "-c", spin], capture_output=True, text=True).stdout) for _ in range(cores)]
+    time.sleep(0.3)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # it cannot exit on its own, but be safe
+                os.kill(pid, signal.SIGKILL)

@@ -1,17 +1,22 @@
-"""Host readings: CPU of the training process and, apart, of its children; cores; RSS; free memory.
+"""Host readings: CPU of the training process and, apart, of its children; cores; RSS; free memory; contention.
 
 psutil everywhere; on Linux the per-process figures read every sample (children, CPU times, RSS) come straight
 from /proc, at a fraction of psutil's cost. CPU percentages are computed from CPU-time deltas this source keeps
 itself (not ``psutil.cpu_percent``, whose module-level state another psutil user in the same process would
 disturb). 100% is one core.
+
+Contention: how long this job's threads were runnable but waiting for a CPU (the run-queue delay in
+``/proc/<pid>/task/<tid>/schedstat``), involuntary context switches, steal time, the load average and the CPU other
+processes used. Where schedstat is missing (macOS, kernels without schedstats) run delay is not measured and a
+note says so.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -19,6 +24,15 @@ from stepscope.collectors.stats import Stats, high, low, mean, rounded
 
 MB = 1024 * 1024
 BUSY_CHILD_PCT = 5.0  # of one core: a child below it is idle (e.g. torch.compile's pool of compile workers)
+NO_RUN_DELAY = "run delay (time runnable but waiting for a CPU) is not measured here: no /proc/<pid>/schedstat."
+
+
+class CoreTimes(NamedTuple):
+    """Cumulative times of one logical core, in any one unit (ticks or seconds): only ratios are used."""
+
+    busy: float
+    total: float
+    steal: float  # taken by the hypervisor for other virtual machines
 
 
 class HostSource:
@@ -39,7 +53,13 @@ class HostSource:
         self._core_keys: list[str] = []
         self._prev_t = 0.0
         self._prev_cpu_s = 0.0
-        self._prev_cores: list[tuple[float, float]] = []
+        self._prev_cores: list[CoreTimes] = []
+        self._schedstat = procfs and os.path.exists(f"/proc/{self._pid}/task/{self._pid}/schedstat")
+        if not self._schedstat:
+            self.notes.append(NO_RUN_DELAY)
+        self._switches: Callable[[int], int | None] = _procfs_involuntary if procfs else _psutil_involuntary
+        self._delays: dict[int, int] = {}  # tid -> its run delay (ns) at the previous sample, main and workers
+        self._nvcsw: dict[int, int] = {}  # pid -> its involuntary context switches at the previous sample
 
     def start(self, now_s: float) -> None:
         """Take the baselines the first sample's deltas are measured from."""
@@ -52,6 +72,7 @@ class HostSource:
                 continue  # already gone
         self._prev_cores = _core_times()
         self._core_keys = [f"host/core/{i}" for i in range(len(self._prev_cores))]
+        self._contention(list(self._children), 1.0)  # baselines; the figures of this call are dropped
 
     def read(self, now_s: float) -> dict[str, float]:
         """One sample: CPU % over the interval since the previous sample, RSS and available memory now."""
@@ -93,13 +114,59 @@ class HostSource:
         }
         cores = _core_times()
         if len(cores) == len(self._prev_cores):  # a CPU hot-plugged mid-run: skip this sample's per-core figures
-            total_pct = 0.0
-            for key, (b1, t1), (b0, t0) in zip(self._core_keys, cores, self._prev_cores, strict=True):
-                pct = max(0.0, 100.0 * (b1 - b0) / (t1 - t0)) if t1 > t0 else 0.0  # float sums can dip below 0
+            total_pct = steal = ticks = 0.0
+            for key, now, before in zip(self._core_keys, cores, self._prev_cores, strict=True):
+                dt_ticks = now.total - before.total
+                pct = max(0.0, 100.0 * (now.busy - before.busy) / dt_ticks) if dt_ticks > 0 else 0.0  # sums dip < 0
                 readings[key] = pct
                 total_pct += pct
+                steal += now.steal - before.steal
+                ticks += max(dt_ticks, 0.0)
             readings["sys/system_cpu_util"] = total_pct / len(cores)
+            readings["host/steal_pct"] = max(0.0, 100.0 * steal / ticks) if ticks > 0 else 0.0
+            # Everything busy on the machine that is not this job: other processes' load (and the kernel's).
+            readings["host/others_cpu_util"] = max(0.0, total_pct - main_pct - readings["sys/workers_cpu_util"])
         self._prev_cores = cores
+        readings.update(self._contention(list(alive), dt))
+        return readings
+
+    def _contention(self, workers: list[int], dt: float) -> dict[str, float]:
+        """Run delay (% of the interval) of the main thread, of all the training process's threads summed and of
+        all the workers' threads summed; involuntary context switches per second; the 1-minute load average."""
+        readings = {"host/load_1m": _load_1m()}
+        switches = {}
+        for pid in (self._pid, *workers):
+            count = self._switches(pid)
+            if count is not None:
+                switches[pid] = count
+        main = switches.get(self._pid)
+        if main is not None and self._pid in self._nvcsw:
+            readings["host/nvcsw_per_s"] = max(0, main - self._nvcsw[self._pid]) / dt
+        readings["host/workers_nvcsw_per_s"] = (
+            sum(max(0, n - self._nvcsw.get(pid, 0)) for pid, n in switches.items() if pid != self._pid) / dt
+        )
+        self._nvcsw = switches
+        if not self._schedstat:
+            return readings
+        main_delays = _task_delays(self._pid)
+        worker_delays: dict[int, int] = {}
+        for pid in workers:
+            worker_delays.update(_task_delays(pid))
+        previous = self._delays
+        ns = 1e9 * dt / 100.0  # nanoseconds in 1% of the interval
+
+        def waited(tids: Iterable[int], delays: dict[int, int]) -> float:
+            total = 0
+            for tid in tids:
+                delta = delays[tid] - previous.get(tid, 0)
+                total += delta if delta >= 0 else delays[tid]  # a reused thread id starts again from 0
+            return total / ns
+
+        readings["host/run_delay_process"] = waited(main_delays, main_delays)
+        if self._pid in main_delays:
+            readings["host/run_delay_main"] = waited((self._pid,), main_delays)
+        readings["host/run_delay_workers"] = waited(worker_delays, worker_delays)
+        self._delays = {**main_delays, **worker_delays}
         return readings
 
     def section(self, stats: Stats) -> dict[str, Any]:
@@ -116,6 +183,17 @@ class HostSource:
             "mem_available_min_mb": rounded(low(stats, "sys/mem_available_mb")),
             "cores": self._cores,
             "cpu_quota": rounded(self._quota, 2),
+            "machine_cores": len(self._core_keys),
+            "run_delay_main_thread_pct": rounded(mean(stats, "host/run_delay_main")),
+            "run_delay_main_thread_max_pct": rounded(high(stats, "host/run_delay_main")),
+            "run_delay_process_pct": rounded(mean(stats, "host/run_delay_process")),
+            "run_delay_workers_pct": rounded(mean(stats, "host/run_delay_workers")),
+            "involuntary_switches_per_s": rounded(mean(stats, "host/nvcsw_per_s")),
+            "workers_involuntary_switches_per_s": rounded(mean(stats, "host/workers_nvcsw_per_s")),
+            "steal_pct": rounded(mean(stats, "host/steal_pct")),
+            "others_cpu_util_pct": rounded(mean(stats, "host/others_cpu_util")),
+            "load_avg_1m": rounded(mean(stats, "host/load_1m"), 2),
+            "load_avg_1m_max": rounded(high(stats, "host/load_1m"), 2),
         }
 
     def close(self) -> None:
@@ -203,13 +281,87 @@ def _psutil_usage(pid: int) -> tuple[float, int]:
     return times.user + times.system, proc.memory_info().rss
 
 
-def _core_times() -> list[tuple[float, float]]:
-    """(busy, total) CPU seconds per logical core, system-wide."""
+def _core_times() -> list[CoreTimes]:
+    """Busy, total and steal time per logical core, system-wide: /proc/stat on Linux, psutil elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            cores = parse_proc_stat(f.read())
+        if cores:
+            return cores
+    except OSError:
+        pass
     out = []
     for t in psutil.cpu_times(percpu=True):
         total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # guest time is inside user/nice
-        out.append((total - t.idle - getattr(t, "iowait", 0.0), total))
+        out.append(CoreTimes(total - t.idle - getattr(t, "iowait", 0.0), total, getattr(t, "steal", 0.0)))
     return out
+
+
+def parse_proc_stat(text: str) -> list[CoreTimes]:
+    """Per-core times (ticks) from /proc/stat's ``cpuN user nice system idle iowait irq softirq steal guest
+    guest_nice`` lines; guest time is already inside user and nice, so it is not added again."""
+    cores = []
+    for line in text.splitlines():
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        fields = [int(x) for x in line.split()[1:9]]
+        fields += [0] * (8 - len(fields))  # old kernels end before iowait, irq, softirq or steal
+        total = float(sum(fields))
+        cores.append(CoreTimes(total - fields[3] - fields[4], total, float(fields[7])))
+    return cores
+
+
+def parse_schedstat(text: str) -> int:
+    """Run-queue delay (ns) from a schedstat line: ``<ns on a CPU> <ns runnable but waiting> <timeslices>``."""
+    return int(text.split()[1])
+
+
+def parse_involuntary_switches(status: str) -> int | None:
+    """``nonvoluntary_ctxt_switches`` from a /proc/<pid>/status text (None when the kernel does not report it)."""
+    for line in status.splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+def _task_delays(pid: int) -> dict[int, int]:
+    """Run delay (ns) of each thread of ``pid``; {} when the process is gone."""
+    found: dict[int, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                found[int(tid)] = parse_schedstat(f.read().decode())
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that exited between the listing and the read
+    return found
+
+
+def _procfs_involuntary(pid: int) -> int | None:
+    """Involuntary context switches of ``pid``'s main thread (the kernel reports them per thread)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return parse_involuntary_switches(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _psutil_involuntary(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).num_ctx_switches().involuntary)
+    except (psutil.Error, OSError, AttributeError, NotImplementedError):
+        return None
+
+
+def _load_1m() -> float:
+    """The machine's 1-minute load average: runnable (and, on Linux, uninterruptible) tasks, decayed."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows: psutil emulates it
+        return psutil.getloadavg()[0]
 
 
 def _has_procfs() -> bool:

@@ -27,9 +27,18 @@ IO_WORKERS_CPU_MAX_FRACTION = 0.30  # of the workers' CPU ceiling
 THROTTLE_FRACTION_MIN = 0.10
 THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 
+# cpu_contention: this job's threads were runnable but waiting for a CPU (run-queue delay, summed over threads, in %
+# of wall time). Measured on a 2-core VM (docs/benchmarks.md): a quiet run reads 0-1%; 2 CPU-bound loader workers
+# beside 2 intra-op threads 55% (training process) and 81% (workers); a CPU burner on every core 5-21%.
+CONTENTION_PCT = 10.0  # the training process's threads, or per busy worker
+OTHERS_BUSY_PCT = 50.0  # of one core: other processes using at least half a core count as the machine's load
+SELF_BUSY_FRACTION = 0.50  # of the usable cores, on average: this job's own bursts fill them (runnable > cores)
+STEAL_PCT = 5.0  # of all cores' time taken by the hypervisor
+
 
 def derive_signals(system: dict[str, Any]) -> list[dict[str, str]]:
-    """``[{"id", "evidence"}]`` for launch_bound, transform_bound, io_bound and throttled, in that order."""
+    """``[{"id", "evidence"}]`` for launch_bound, transform_bound, io_bound, throttled and cpu_contention, in that
+    order (cpu_contention also has ``cause``: ``others``, ``self`` or ``both``)."""
     if (system.get("samples") or 0) < MIN_SAMPLES:
         return []
     gpu = system.get("gpu") or {}
@@ -38,6 +47,7 @@ def derive_signals(system: dict[str, Any]) -> list[dict[str, str]]:
     found = [_launch_bound(d) for d in devices]
     found += [_transform_bound(host, devices, system), _io_bound(host, devices, system)]
     found += [_throttled(d) for d in devices]
+    found.append(cpu_contention(host))
     return [s for s in found if s is not None]
 
 
@@ -96,12 +106,16 @@ def _transform_bound(
     if gpu is None or workers is None or workers_pct is None:
         return None
     ceiling, name = workers
-    if workers_pct < WORKERS_PEGGED_FRACTION * ceiling:
+    # Runnable time is what the workers ask of the CPUs: the time they ran plus the time they waited for a CPU
+    # (on a machine shared with other work they get less than their ceiling, yet are no less CPU-bound).
+    waiting = host.get("run_delay_workers_pct") or 0.0
+    if workers_pct + waiting < WORKERS_PEGGED_FRACTION * ceiling:
         return None
+    also = f" and waited {waiting:.0f}% for a CPU while runnable" if waiting >= 0.1 * ceiling else ""
     return _signal(
         "transform_bound",
         f"{gpu} while its {name} used {workers_pct:.0f}% CPU, {workers_pct / ceiling:.0%} of the "
-        f"{ceiling:.0f}% they can get: the input transforms cannot keep up.",
+        f"{ceiling:.0f}% they can get{also}: the input transforms cannot keep up.",
     )
 
 
@@ -148,3 +162,50 @@ def _throttled(dev: dict[str, Any]) -> dict[str, str] | None:
         "throttled",
         f"GPU {dev.get('index')} had its clocks held down by {' and '.join(parts)} of samples{extra}.",
     )
+
+
+def cpu_contention(host: dict[str, Any]) -> dict[str, str] | None:
+    """The job's threads waited for a CPU a significant share of the time: the training process's threads at least
+    CONTENTION_PCT of wall time (summed over threads), or its loader workers CONTENTION_PCT per busy worker.
+
+    ``cause`` says whose load it was: ``others`` when processes outside this job used at least OTHERS_BUSY_PCT of a
+    core (or the hypervisor stole STEAL_PCT), ``self`` when not (this job's own threads and workers outnumber the
+    cores, at least at times), ``both`` when others were busy and the job alone also kept SELF_BUSY_FRACTION of
+    its usable cores busy on average."""
+    process, workers = host.get("run_delay_process_pct"), host.get("run_delay_workers_pct")
+    if process is None:
+        return None  # not measured (no schedstat)
+    busy = max(host.get("workers_busy_avg") or 0.0, 1.0)
+    waited = []
+    if process >= CONTENTION_PCT:
+        main = host.get("run_delay_main_thread_pct")
+        of_main = f", its main thread {main:.0f}%" if main is not None else ""
+        waited.append(f"the training process's threads waited for a CPU {process:.0f}% of wall time (summed){of_main}")
+    if workers is not None and host.get("workers_max") and workers >= CONTENTION_PCT * busy:
+        waited.append(f"its loader workers {workers:.0f}% (summed over {host['workers_max']} worker(s))")
+    if not waited:
+        return None
+    cores = host.get("cpu_quota") or host.get("cores") or 1
+    machine = host.get("machine_cores") or cores
+    main_cpu, workers_cpu = host.get("cpu_util_pct") or 0.0, host.get("workers_cpu_util_pct") or 0.0
+    others, steal = host.get("others_cpu_util_pct") or 0.0, host.get("steal_pct") or 0.0
+    crowded = others >= OTHERS_BUSY_PCT or steal >= STEAL_PCT
+    full = main_cpu + workers_cpu >= SELF_BUSY_FRACTION * 100.0 * cores
+    cause = ("both" if full else "others") if crowded else "self"
+    load = host.get("load_avg_1m")
+    figures = [f"this job used {main_cpu + workers_cpu:.0f}% CPU of its {cores:g} usable core(s)"]
+    figures.append(f"other processes {others:.0f}% of the machine's {machine}")
+    if steal >= STEAL_PCT:
+        figures.append(f"the hypervisor stole {steal:.0f}%")
+    if load is not None:
+        figures.append(f"load average {load:.1f}")
+    whose = {
+        "others": "other processes load the machine",
+        "self": "this job's own threads and loader workers outnumber its cores",
+        "both": "other processes load the machine and this job's own threads and workers fill its cores",
+    }[cause]
+    return {
+        "id": "cpu_contention",
+        "evidence": f"CPU contention ({whose}): {' and '.join(waited)} while runnable; {', '.join(figures)}.",
+        "cause": cause,
+    }

@@ -173,6 +173,21 @@ def oversubscribed_threads(found: dict[str, Any]) -> tuple[int, float] | None:
     return (used, cores) if used > max(cores, 1) + 0.5 else None
 
 
+def threads_for_workers(found: dict[str, Any], workers: int) -> tuple[int, int, float] | None:
+    """(torch threads, threads that fit, usable cores) when this rank's intra-op threads plus ``workers`` loader
+    worker processes (each a core while it loads), times the ranks on this machine, exceed the usable cores and
+    fewer threads would fit them; None when they fit, threads are already 1, or the facts are missing."""
+    cores = cores_of(found)
+    threads = found.get("threads", {}).get("torch_threads")
+    if not cores or threads is None:
+        return None
+    local = ranks_per_machine(found)
+    if (threads + workers) * local <= max(cores, 1) + 0.5:
+        return None
+    fit = max(1, int(cores // local) - workers)
+    return (threads, fit, cores) if fit < threads else None
+
+
 def dynamo_counters() -> dict[str, Any] | None:
     """torch.compile's counters so far (graphs compiled, graph breaks by reason, recompile-limit hits); None
     when torch.compile was never used."""
