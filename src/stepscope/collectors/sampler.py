@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from stepscope.collectors.memory import device_memory
 from stepscope.collectors.signals import derive_signals
+from stepscope.collectors.stacks import NO_STACKS, NoStacks, StackSampler, hotspots
 from stepscope.collectors.stats import KeyStats, Stats, copy_stats, fold
 from stepscope.collectors.timeline import Timeline
 
@@ -74,6 +75,8 @@ class Collectors:
         devices: CUDA indices in use, for the device-memory figures read at ``stop``.
         sections: system-dict sections to report when no source fills them (e.g. an unavailable GPU).
         notes: notes from setting up, carried into the system dict.
+        stacks: the training thread's stack sampler (collectors/stacks.py), started and stopped with the others;
+            its figures are ``hotspots()``, not part of the system dict.
         clock: monotonic seconds (a seam for tests, which call ``sample()`` themselves instead of starting).
     """
 
@@ -85,8 +88,10 @@ class Collectors:
         sections: dict[str, dict[str, Any]] | None = None,
         notes: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        stacks: StackSampler | NoStacks = NO_STACKS,
     ) -> None:
         self.interval_s = check_interval(interval_s)
+        self._stacks = stacks
         self._devices = list(devices)
         self._sections = dict(sections or {})
         self._notes = list(notes)
@@ -121,6 +126,7 @@ class Collectors:
         if self._thread is None and self._frozen is None:
             self._thread = threading.Thread(target=self._run, name="stepscope-collectors", daemon=True)
             self._thread.start()
+            self._stacks.start()
         return self
 
     def sample(self) -> None:
@@ -173,6 +179,14 @@ class Collectors:
         except Exception as error:
             return self._failed(error)
 
+    def hotspots(self, phases: dict[str, Any]) -> dict[str, Any]:
+        """The summary's ``hotspots`` from the stack samples so far and the run's ``phases`` ({} when off)."""
+        try:
+            return hotspots(self._stacks.table(), phases)
+        except Exception as error:
+            log.warning("stepscope: the stack samples could not be read (%s: %s).", type(error).__name__, error)
+            return {}
+
     # -- internals ----------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -202,6 +216,7 @@ class Collectors:
 
     def _finish(self) -> None:
         self._stop_event.set()
+        self._stacks.stop()
         thread = self._thread
         if thread is not None:
             thread.join(self.interval_s + STOP_WAIT_S)
