@@ -17,7 +17,7 @@ SRC = REPO / "src"
 SCRIPTS = TESTS / "scripts"
 
 # Every phase the run command may time on its own; `total` is the whole step.
-PHASES = ("data_wait", "h2d", "forward", "backward", "clip", "optimizer", "zero_grad", "sync", "other")
+PHASES = ("data_wait", "h2d", "forward", "backward", "comms", "clip", "optimizer", "zero_grad", "sync", "other")
 
 
 def run_env(extra: dict[str, str] | None = None, pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
@@ -138,5 +138,5 @@ def check_consistent(summary: RunSummary, result: RunResult | None = None) -> No
     assert abs(mean_sum - phases["total"].mean_ms) <= 0.02 * phases["total"].mean_ms + 0.01, (
         f"exclusive phase times add up to {mean_sum:.3f} ms per step, step is {phases['total'].mean_ms:.3f} ms\n{msg}"
     )
-    assert summary.verdict.bound in {"data", "compute", "optimizer", "host", "balanced", "unknown"}, msg
+    assert summary.verdict.bound in {"data", "compute", "comms", "optimizer", "host", "balanced", "unknown"}, msg
     assert summary.verdict.confidence in {"high", "medium", "low"}, msg

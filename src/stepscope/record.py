@@ -10,23 +10,26 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from stepscope.summary import PhaseStats, RunSummary, Steps, StepSeries, Throughput
 
-PHASES = ("data_wait", "h2d", "forward", "backward", "clip", "optimizer", "zero_grad", "sync", "other")
+PHASES = ("data_wait", "h2d", "forward", "backward", "comms", "clip", "optimizer", "zero_grad", "sync", "other")
 """Canonical phase names in step order; ``total`` is the whole step."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "data": ("data_wait", "h2d"),
     "compute": ("forward", "backward"),
+    "comms": ("comms",),  # waiting in collectives: DDP's gradient all-reduce, explicit torch.distributed calls
     "optimizer": ("optimizer", "zero_grad", "clip"),
     "host": ("sync", "other"),
 }
 """The canonical phases by what they spend time on (the verdict's groups)."""
 
 DATA_PHASE = "data_wait"
+EVAL_PHASE = "eval"  # validation between training steps: timed, but kept out of the training step's statistics
 NO_STEP_MARK = "no step was closed"
 OTHER_PHASE = "other"
 TOTAL = "total"
@@ -154,6 +157,50 @@ class SeriesBuilder:
         if self._pending:
             step_ms.append(self._pending_ns / self._pending / 1e6)
         return StepSeries(stride=self.stride, step_ms=step_ms) if step_ms else None
+
+
+@dataclass
+class EvalPasses:
+    """Validation passes between training steps, kept out of the step statistics and reported apart.
+
+    A pass is one uninterrupted stretch of evaluation (``scope.phase("eval")``, or a run of forwards without
+    gradients that ``stepscope run`` tells from training work). Its wall time is taken out of the step it fell in,
+    so the step's phases and total describe training alone."""
+
+    durations: StreamingStats = field(default_factory=StreamingStats)
+    phases_ns: dict[str, int] = field(default_factory=dict)
+    forwards: int = 0
+    batches: int = 0
+
+    def add(self, duration_ns: int, phases_ns: dict[str, int], forwards: int = 0, batches: int = 0) -> None:
+        """One pass: its wall time (ns), the time of the phases inside it (ns), its forwards and batches."""
+        self.durations.add(duration_ns / 1e9)
+        for name, ns in phases_ns.items():
+            self.phases_ns[name] = self.phases_ns.get(name, 0) + ns
+        self.forwards += forwards
+        self.batches += batches
+
+    def to_dict(self, train_s: float) -> dict[str, Any]:
+        """``RunSummary.eval``: passes, their time (s, and ms per pass), their share of wall time next to the
+        ``train_s`` seconds of measured training steps, and the phases inside a pass (ms per pass); {} without
+        a pass."""
+        passes = self.durations.count
+        if not passes:
+            return {}
+        eval_s = self.durations.total
+        inside_ms = {name: ns / 1e6 / passes for name, ns in self.phases_ns.items() if ns > 0}
+        inside_ms[OTHER_PHASE] = max(0.0, eval_s * 1e3 / passes - sum(inside_ms.values()))
+        return {
+            "passes": passes,
+            "time_s": eval_s,
+            "share_of_wall": eval_s / (eval_s + train_s) if eval_s + train_s > 0 else 0.0,
+            "mean_ms": _ms(self.durations.mean),
+            "median_ms": _ms(self.durations.quantile(0.5)),
+            "max_ms": _ms(self.durations.max),
+            "phases_ms": {name: inside_ms[name] for name in phase_order(list(inside_ms))},
+            "forwards_per_pass": self.forwards / passes,
+            "batches_per_pass": self.batches / passes,
+        }
 
 
 @dataclass(slots=True)

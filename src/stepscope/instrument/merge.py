@@ -7,18 +7,20 @@ Merged figures: each phase statistic is the mean over ranks of that rank's stati
 p95); cluster samples/s is the sum over ranks; steps/s is the slowest rank's. Loaders, counters and runtime facts
 are the lowest rank's; ``system`` holds every rank's signals (each rank keeps its own system figures).
 ``cluster.phases`` gives each phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds
-the others up.
+the others up, and the ranks that wait for it in collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import Any
 
 from stepscope.record import TOTAL, phase_order
 from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
 
 STRAGGLER_MIN = 0.05
+COMMS = "comms"
 EXIT_SEVERITY = ("finished", "stopped", "running", "interrupted", "terminated", "killed", "error")
 
 
@@ -46,30 +48,53 @@ def _merge_phase(stats: list[PhaseStats]) -> PhaseStats:
     )
 
 
+def phase_ms(summary: RunSummary, name: str) -> float:
+    """A phase's mean time per step (ms; 0 when it did not run): GPU time for work launched on a CUDA-timed run,
+    where the host only sees launches (and, for ``comms`` on NCCL, the compute stream's wait for the all-reduce),
+    host time for the wait for data."""
+    stats = summary.phases.get(name)
+    if stats is None:
+        return 0.0
+    if summary.meta.timing == "cuda" and name != "data_wait" and stats.device_mean_ms is not None:
+        return stats.device_mean_ms
+    return stats.mean_ms
+
+
 def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
     """The rank that holds the others up and the phase where it does, or None when the ranks are even.
 
-    In synchronous training every rank waits for the slowest at the next collective (DDP's all-reduce inside
-    backward, an explicit all_reduce), so the fast ranks show the same excess later in the step, as waiting.
-    The cause is therefore the earliest phase, in step order, where the ranks differ by more than
-    ``STRAGGLER_MIN`` of the step (and 0.1 ms); the straggler is the slowest rank in that phase, and its excess is
-    measured against the median of the other ranks.
+    In synchronous training every rank waits for the slowest at the next collective (DDP's all-reduce at the end
+    of backward, an explicit all_reduce), so the fast ranks show the same excess later in the step, as ``comms``.
+    The cause is therefore the earliest phase in step order, other than ``comms`` (the waiting itself), where the
+    ranks differ by more than ``STRAGGLER_MIN`` of the step (and 0.1 ms); the straggler is the slowest rank in that
+    phase, and its excess is measured against the median of the other ranks. The waiting ranks are those whose
+    comms time per step exceeds the straggler's own by that same margin (the straggler pays the collectives' own
+    cost too, but waits for nobody).
     """
     measured = [r for r in ranks if TOTAL in r.phases]
     if len(measured) < 2:
         return None
     step_ms = statistics.fmean(r.phases[TOTAL].mean_ms for r in measured)
+    margin = max(STRAGGLER_MIN * step_ms, 0.1)
     names: list[str] = []
     for r in measured:
-        names += [n for n in r.phases if n not in names and n != TOTAL and not r.phases[n].nested]
+        names += [n for n in r.phases if n not in names and n not in (TOTAL, COMMS) and not r.phases[n].nested]
     for name in phase_order(names):
-        values = [r.phases[name].mean_ms if name in r.phases else 0.0 for r in measured]
-        if max(values) - min(values) >= max(STRAGGLER_MIN * step_ms, 0.1):
+        values = [phase_ms(r, name) for r in measured]
+        if max(values) - min(values) >= margin:
             slowest = max(range(len(measured)), key=lambda i: values[i])
             others = values[:slowest] + values[slowest + 1 :]
-            return Straggler(
+            straggler = Straggler(
                 rank=_rank(measured[slowest]), phase=name, excess_ms=values[slowest] - statistics.median(others)
             )
+            if any(COMMS in r.phases for r in measured):
+                own = phase_ms(measured[slowest], COMMS)
+                waiting = {_rank(r): phase_ms(r, COMMS) for r in measured if phase_ms(r, COMMS) - own >= margin}
+                waiting.pop(straggler.rank, None)
+                straggler.own_comms_ms = own
+                straggler.waiting_ranks = sorted(waiting)
+                straggler.wait_ms = statistics.median(waiting.values()) if waiting else None
+            return straggler
     return None
 
 
@@ -81,6 +106,13 @@ def _rank_signals(ranks: list[RunSummary]) -> list[dict[str, str]]:
         for r in ranks
         for signal in r.system.get("signals", [])
     ]
+
+
+def _hotspots(ranks: list[RunSummary], straggler: Straggler | None) -> dict[str, Any]:
+    """The source lines of the rank the others wait for (the straggler, else the lowest rank), with its ``rank``;
+    every rank's own stay in its summary under ``ranks``."""
+    chosen = next((r for r in ranks if straggler is not None and _rank(r) == straggler.rank), ranks[0])
+    return {**chosen.hotspots, "rank": _rank(chosen)} if chosen.hotspots else {}
 
 
 def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSummary:
@@ -146,6 +178,7 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         counters=first.counters,
         facts=first.facts,
         system={"signals": _rank_signals(ranks)},
+        hotspots=_hotspots(ranks, cluster.straggler),
         exit=worst,
         cluster=cluster,
     )

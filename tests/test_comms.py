@@ -1,0 +1,166 @@
+"""Collective wait as the ``comms`` phase, and the job's verdict from the rank the others wait for."""
+
+import re
+
+import pytest
+from run_helpers import script, stepscope_run, torchrun
+
+from stepscope.doctor.checkup import examine
+from stepscope.doctor.verdict import attributed_straggler
+from stepscope.instrument.merge import find_straggler, merge
+from stepscope.record import GROUPS, PHASES
+from stepscope.summary import LoaderInfo, Meta, PhaseStats, RunSummary, Steps, Throughput
+
+DDP_FACTS = {
+    "models": [{"ddp": {"find_unused_parameters": False, "gradient_as_bucket_view": False, "bucket_cap_mb": 25}}]
+}
+
+
+def slow_loader() -> LoaderInfo:
+    return LoaderInfo(
+        index=0, dataset="SleepyDataset", batch_size=8, num_workers=0, pin_memory=False, persistent_workers=False,
+        prefetch_factor=None, drop_last=True, iterable=False, length=64, batches=40, samples=320, fetch_s=0.4,
+    )  # fmt: skip
+
+
+def rank(r: int, phases_ms: dict[str, float], world: int = 2) -> RunSummary:
+    step_ms = sum(phases_ms.values())
+    phases = {n: PhaseStats(ms, ms, ms * 1.5, ms / step_ms, 20) for n, ms in phases_ms.items()}
+    phases["total"] = PhaseStats(step_ms, step_ms, step_ms * 1.2, 1.0, 20)
+    return RunSummary(
+        steps=Steps(warmup=3, measured=20, boundary="optimizer.step"),
+        phases=phases,
+        throughput=Throughput(steps_per_s=1e3 / step_ms, samples_per_s=8e3 / step_ms, step_time_ms=step_ms),
+        meta=Meta(rank=r, world_size=world, command="train.py"),
+        loaders=[slow_loader()],
+        facts=DDP_FACTS,
+    )
+
+
+# Rank 1's loader is 10.9 ms slower per batch; rank 0 waits for it in DDP's all-reduce (comms). Both 17.7 ms steps.
+FAST = {"data_wait": 0.5, "forward": 1.0, "backward": 4.0, "comms": 11.5, "optimizer": 0.5, "other": 0.2}
+SLOW = {"data_wait": 11.4, "forward": 1.0, "backward": 4.0, "comms": 0.6, "optimizer": 0.5, "other": 0.2}
+
+
+def test_comms_is_a_phase_after_backward_and_its_own_group():
+    assert PHASES.index("comms") == PHASES.index("backward") + 1
+    assert GROUPS["comms"] == ("comms",)
+    assert sum(group.count("comms") for group in GROUPS.values()) == 1
+
+
+def test_straggler_names_the_slow_phase_and_the_ranks_waiting_in_comms():
+    straggler = find_straggler([rank(0, FAST), rank(1, SLOW)])
+    assert (straggler.rank, straggler.phase) == (1, "data_wait")
+    assert straggler.excess_ms == pytest.approx(10.9)
+    assert straggler.waiting_ranks == [0]
+    assert straggler.wait_ms == pytest.approx(11.5)
+    assert straggler.own_comms_ms == pytest.approx(0.6)
+
+
+def test_comms_itself_is_never_the_straggler_phase():
+    # The ranks differ only in how long they wait: nobody's work explains it, and waiting is not a cause.
+    ranks = [rank(0, {**FAST, "data_wait": 0.5}), rank(1, {**FAST, "comms": 0.6, "other": 11.1})]
+    assert find_straggler(ranks).phase == "other"
+    even = [rank(0, {"forward": 5.0, "comms": 12.0}), rank(1, {"forward": 5.0, "comms": 1.0})]
+    assert find_straggler(even) is None
+
+
+def test_job_verdict_is_the_stragglers_cause_citing_both_sides():
+    job = examine(merge([rank(0, FAST), rank(1, SLOW)]), [])
+    verdict = job.verdict
+    assert (verdict.bound, verdict.confidence) == ("data", "high"), verdict
+    assert verdict.evidence[:2] == [
+        "rank 1's data_wait is 10.9 ms above the other ranks' median (62% of the 17.7 ms job step)",
+        "rank 0 waits 11.5 ms per step in comms for it, against 0.6 ms on rank 1",
+    ]
+    assert "rank 1: data_wait is 64% of the step (11.4 ms of a 17.7 ms step)" in verdict.evidence
+
+
+def test_job_fixes_are_the_stragglers_bounded_by_the_job_step():
+    job = examine(merge([rank(0, FAST), rank(1, SLOW)]), [])
+    first = job.fixes[0]
+    assert first.id == "loader.num_workers", [f.id for f in job.fixes]
+    assert first.gain_bound == pytest.approx(round(10.9 / 17.7, 4))  # its excess, not its whole 11.4 ms wait
+    assert "rank 1: loader 0 (SleepyDataset) has num_workers=0" in first.evidence
+    assert first.gain_reason == "at most rank 1's excess in data_wait, which the other ranks wait for"
+    bucket_view = next(f for f in job.fixes if f.id == "ddp.gradient_as_bucket_view")
+    assert bucket_view.gain_bound == pytest.approx(round(4.0 / 17.7, 4))  # rank 1's own backward: not the cause
+
+
+def test_waits_the_straggler_does_not_explain_leave_the_phase_verdict():
+    # Rank 0 waits 2 ms more than rank 1 in comms against a 10.9 ms excess: something else holds it up.
+    fast = {**FAST, "comms": 2.6, "forward": 9.9}
+    job = merge([rank(0, fast), rank(1, SLOW)])
+    assert job.cluster.straggler.waiting_ranks == [0]
+    assert attributed_straggler(job) is None
+    examine(job, [])
+    assert not any("waits" in line for line in job.verdict.evidence), job.verdict
+
+
+def test_summaries_without_comms_keep_the_old_straggler_and_no_attribution():
+    # An older run: the wait sits inside rank 0's backward, so no rank is seen waiting.
+    old_fast = {"data_wait": 0.5, "forward": 1.0, "backward": 15.5, "optimizer": 0.5, "other": 0.2}
+    old_slow = {"data_wait": 11.4, "forward": 1.0, "backward": 4.6, "optimizer": 0.5, "other": 0.2}
+    job = examine(merge([rank(0, old_fast), rank(1, old_slow)]), [])
+    straggler = job.cluster.straggler
+    assert (straggler.rank, straggler.phase, straggler.waiting_ranks, straggler.wait_ms) == (1, "data_wait", [], None)
+    assert attributed_straggler(job) is None
+
+
+def test_four_ranks_waiting_for_one_compute_straggler(tmp_path):
+    fast = {"data_wait": 0.5, "forward": 2.0, "backward": 4.0, "comms": 9.0, "optimizer": 0.5}
+    slow = {"data_wait": 0.5, "forward": 2.0, "backward": 12.0, "comms": 1.0, "optimizer": 0.5}
+    ranks = [rank(r, slow if r == 2 else {**fast, "comms": 9.0 + 0.1 * r}, world=4) for r in range(4)]
+    job = examine(merge(ranks), [])
+    assert job.verdict.bound == "compute"
+    assert (
+        job.verdict.evidence[1]
+        == "ranks 0, 1, 3 wait 9.1 ms per step (median) in comms for it, against 1.0 ms on rank 2"
+    )
+    path = tmp_path / "s.json"
+    job.to_json(path)
+    loaded = RunSummary.from_json(path).cluster.straggler
+    assert (loaded.rank, loaded.waiting_ranks, loaded.own_comms_ms) == (2, [0, 1, 3], 1.0)
+
+
+# -- end to end: torchrun, gloo, 2 ranks ------------------------------------------------------------------------
+
+
+def test_doctor_blames_the_slow_loader_of_rank_1_not_rank_0s_wait(tmp_path):
+    # Rank 1 sleeps 8 x 1.25 = 10 ms more per batch in its loader; rank 0 waits for it in DDP's all-reduce.
+    launcher = [*torchrun(), script("ddp.py"), "--sample-ms", "0", "--extra-ms", "1.25"]
+    r = stepscope_run(
+        tmp_path, "--ceiling-batches", "0", "--", *launcher, warmup=5, steps=25, timeout=180, verb="doctor"
+    )
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    by_rank = {x.meta.rank: x.phases for x in s.ranks}
+    excess = s.cluster.straggler.excess_ms
+    assert 6 < excess < 16, (s.cluster.straggler, r.describe())
+    waited = by_rank[0]["comms"].mean_ms - by_rank[1]["comms"].mean_ms
+    assert abs(waited - excess) < max(3.0, 0.3 * excess), (waited, excess, r.describe())
+    # The wait left rank 0's backward: its backward is a tiny MLP's, as on rank 1.
+    assert by_rank[0]["backward"].mean_ms < min(3.0, 0.25 * by_rank[0]["comms"].mean_ms), r.describe()
+    assert s.verdict.bound == "data", (s.verdict, r.describe())
+    assert s.verdict.evidence[0].startswith("rank 1's data_wait is "), s.verdict
+    assert s.verdict.evidence[1].startswith("rank 0 waits "), s.verdict
+    assert s.fixes[0].id == "loader.num_workers", [f.id for f in s.fixes]
+    job_ms = s.phases["total"].mean_ms
+    assert s.fixes[0].gain_bound == pytest.approx(min(1.0, excess / job_ms), abs=2e-4)
+    assert re.search(r"^verdict: data \(confidence (high|medium)\)", r.stdout, re.MULTILINE), r.describe()
+
+
+def test_explicit_collectives_are_comms(tmp_path):
+    # Rank 1 sleeps 10 ms after backward (its `other`); rank 0 waits that long in all_reduce, Work.wait, barrier.
+    launcher = [*torchrun(), script("collectives.py"), "--sleep-ms", "10"]
+    r = stepscope_run(tmp_path, "--", *launcher, warmup=5, steps=25, timeout=180)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    fast, slow = ({x.meta.rank: x.phases for x in s.ranks}[i] for i in (0, 1))
+    waited = fast["comms"].mean_ms - slow["comms"].mean_ms
+    assert 6 < waited < 16, (waited, r.describe())
+    assert slow["other"].mean_ms > 8, r.describe()
+    assert fast["other"].mean_ms < 3 and fast["backward"].mean_ms < 3, r.describe()
+    straggler = s.cluster.straggler
+    assert (straggler.rank, straggler.phase, straggler.waiting_ranks) == (1, "other", [0]), straggler
+    assert s.verdict.bound == "host" and s.verdict.evidence[0].startswith("rank 1's other is "), s.verdict
