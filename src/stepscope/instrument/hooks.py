@@ -44,7 +44,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
                 return original(self)
             if capturing:
                 tracker.capture(self)  # measures this loader (or the one asked for) and stops, or passes it by
-            t0 = tracker.fetch_begin()
+            t0 = tracker.fetch_begin(self)
             try:
                 iterator = original(self)
             finally:
@@ -58,7 +58,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
         def __next__(self: Any) -> Any:
             if not tracker.active:
                 return original(self)
-            t0 = tracker.fetch_begin()
+            t0 = tracker.fetch_begin(self)
             try:
                 batch = original(self)
             except StopIteration:
@@ -200,24 +200,46 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
     patch(torch.nn.functional, "scaled_dot_product_attention", make_sdpa)
 
-    # optimizer: global step hooks, and construction (which decides the step boundary) ----------------------
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    # optimizer: each optimizer class's step, and construction (which decides the step boundary) --------------
+    # torch wraps every optimizer class's step once (Optimizer.profile_hook_step: a record_function, the step
+    # hooks, the profiler's entry point); its step hooks fire inside that wrapper, so timing from them leaves the
+    # wrapper's own work, and global hooks registered around stepscope's, out of `optimizer`. stepscope wraps the
+    # wrapper instead, so `optimizer` is what a timer around opt.step() reads.
+    def make_step(original: Any) -> Any:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Under a compile trace the wrapper steps aside: a clock read would break the graph (an error with
+            # fullgraph=True).
+            if compiling() or not tracker.active or not tracker.optimizer_step_begin(self):
+                return original(self, *args, **kwargs)
+            try:
+                result = original(self, *args, **kwargs)
+            except BaseException:
+                tracker.exit("optimizer")
+                raise
+            tracker.optimizer_step_end(self)
+            return result
 
-    def step_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if tracker.active:
-            tracker.enter("optimizer")
+        return step
 
-    def step_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if tracker.active:
-            tracker.optimizer_step_end(optimizer)
-
-    pre, post = register_optimizer_step_pre_hook(step_pre), register_optimizer_step_post_hook(step_post)
-    undo.extend((pre.remove, post.remove))
+    def time_steps(cls: type) -> None:
+        original = cls.step  # type: ignore[attr-defined]
+        if getattr(original, "stepscope_timed", False):
+            return  # timed already: this class, or the class it inherits step from
+        timed = make_step(original)
+        functools.update_wrapper(timed, original)  # copies torch's `hooked` mark, so torch does not wrap it again
+        timed.stepscope_timed = True
+        inherited = "step" not in vars(cls)
+        cls.step = timed  # type: ignore[attr-defined]
+        undo.append(lambda: delattr(cls, "step") if inherited else setattr(cls, "step", original))
 
     def make_init(original: Any) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
+            original(self, *args, **kwargs)  # torch wraps the class's step here, at its first construction
             tracker.optimizers_created += 1
+            try:
+                time_steps(type(self))
+            except Exception as error:
+                tracker.fail(error)
 
         return __init__
 
@@ -256,8 +278,87 @@ def install(tracker: Tracker) -> Callable[[], None]:
     patch(torch.Tensor, "cpu", make_cpu)
     patch(torch.cuda, "synchronize", make_synchronize)
 
+    # comms: waiting in torch.distributed -----------------------------------------------------------------------
+    import torch.distributed as dist
+
+    if dist.is_available():
+        _install_distributed(tracker, patch, undo)
+
     def uninstall() -> None:
         while undo:
             undo.pop()()
 
     return uninstall
+
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "reduce", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "scatter",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "send_object_list", "recv_object_list",
+)  # fmt: skip
+"""torch.distributed's Python entry points timed as ``comms`` (an async call's share is its launch; its
+``Work.wait()`` is timed too)."""
+
+
+def _install_distributed(tracker: Tracker, patch: Callable[..., None], undo: list[Callable[[], None]]) -> None:
+    """Collectives, ``Work.wait`` and DDP's gradient all-reduce wait as ``comms`` time."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel
+
+    compiling = torch.compiler.is_compiling
+    main_thread = threading.main_thread().ident
+
+    def make_comms(original: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            # The tracker follows the training thread, and autograd's threads while it waits in backward (FSDP's
+            # reduce-scatter runs in backward hooks); a collective on a thread of its own (async checkpointing) is
+            # not the step's.
+            if (
+                compiling()
+                or not tracker.active
+                or (threading.get_ident() != main_thread and not tracker.backward_open)
+            ):
+                return original(*args, **kwargs)
+            tracker.enter("comms")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker.exit("comms")
+
+        return collective
+
+    for name in COLLECTIVES:
+        # Scripts call dist.X; torch's own code (FSDP, the *_object helpers) calls distributed_c10d.X.
+        for module in (dist, c10d):
+            if hasattr(module, name):
+                patch(module, name, make_comms)
+    patch(dist.Work, "wait", make_comms)
+
+    def make_ddp_init(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            try:
+                watch_ddp(self)
+            except Exception as error:  # the model trains on, measured; only the split of its backward is lost
+                tracker.facts_failure = f"DDP gradient hooks: {type(error).__name__}: {error}"
+
+        return __init__
+
+    def watch_ddp(model: Any) -> None:
+        ddp = weakref.ref(model)
+        for param in model.parameters():
+            if param.requires_grad:
+                key = id(param)
+
+                def ready(_: Any, key: int = key) -> None:
+                    if tracker.active and not compiling():
+                        tracker.grad_ready(key, ddp)
+
+                undo.append(param.register_post_accumulate_grad_hook(ready).remove)
+
+    patch(DistributedDataParallel, "__init__", make_ddp_init)

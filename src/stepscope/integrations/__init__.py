@@ -105,15 +105,12 @@ class Session:
     def finish(self, boundary: str, rank: int, world_size: int, failure: str | None) -> RunSummary:
         """Close the scope (sampler, sinks) and return the run's summary, with the verdict, for this rank;
         ``boundary`` says what closed a step (``steps.boundary``)."""
-        from stepscope.doctor.verdict import classify
-
         self.switch(None)
         self.scope.close()
         summary = self.scope.summary()
         summary.steps.boundary = boundary
         if world_size > 1:
             summary.meta.rank, summary.meta.world_size = rank, world_size
-        summary.verdict = classify(summary)
         if failure:
             summary.notes.append(f"the callback stopped measuring after an internal error: {failure}")
         return summary

@@ -1,0 +1,248 @@
+"""stepscope's figures against a hand-rolled ``perf_counter`` timer in the same process (same-run calibration).
+
+Each test times the same spans twice, by hand and by stepscope, and asserts they agree: the optimizer phase against a
+timer around ``opt.step()``, the integrations' first measured step against a timer at the same callback hook, and
+the stop after ``--steps`` against the script's own output (the last step's tail runs). Known costs come from
+sleeps, which never return early, so load can lengthen both timings but not make them disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+import pytest
+import torch
+from run_helpers import check_consistent, script, stepscope_run, torchrun
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import DataLoader, Dataset
+
+from stepscope.instrument.hooks import install
+from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
+from stepscope.scope import enabled_scope
+
+WARMUP, STEPS = 3, 20
+
+
+def instrumented(tmp_path, warmup: int = WARMUP, steps: int = STEPS) -> tuple[Tracker, object]:
+    """A tracker with torch hooked in this process, as ``stepscope run`` sets one up; returns it and the undo."""
+    scope = enabled_scope(warmup=warmup, system_interval_s=None)
+    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=warmup, steps=steps))
+    return tracker, install(tracker)
+
+
+# -- optimizer: what a timer around opt.step() reads ------------------------------------------------------------
+
+
+def test_optimizer_time_is_what_a_timer_around_the_step_reads(tmp_path):
+    # Many small parameters (torch's wrapper and per-parameter work), and a global step post-hook registered by the
+    # script after stepscope's hooks (an EMA update, say) that takes a known 2 ms: all of it is inside opt.step().
+    torch.set_num_threads(1)
+    tracker, undo = instrumented(tmp_path)
+    hand_ns: list[int] = []
+    try:
+        params = [nn.Parameter(torch.randn(4)) for _ in range(300)]
+        optimizer = torch.optim.Adam(params, lr=1e-3, foreach=False)
+        ema = register_optimizer_step_post_hook(lambda *_: time.sleep(0.002))
+        for _ in range(WARMUP + STEPS + 1):
+            for p in params:
+                p.grad = torch.ones(4)
+            t0 = time.perf_counter_ns()
+            optimizer.step()
+            hand_ns.append(time.perf_counter_ns() - t0)
+    except StopRun:
+        ema.remove()  # the step after the last measured one stops the run, before it begins
+    finally:
+        undo()
+    summary = tracker.summary()
+    assert summary.steps.measured == STEPS
+    hand_ms = statistics.mean(hand_ns[WARMUP : WARMUP + STEPS]) / 1e6
+    optimizer_ms = summary.phases["optimizer"].mean_ms
+    assert hand_ms >= 2.0
+    # stepscope's own step closing runs inside opt.step() too (tens of microseconds): the only difference allowed.
+    assert abs(hand_ms - optimizer_ms) <= max(0.03 * hand_ms, 0.1), (hand_ms, optimizer_ms)
+    assert summary.counters["optimizer_steps"] == 1
+    assert len(hand_ns) == WARMUP + STEPS  # the last measured step's opt.step() returned
+
+
+def test_a_compiled_optimizer_step_gets_no_graph_break_from_stepscope(tmp_path):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    tracker, undo = instrumented(tmp_path, warmup=2, steps=4)
+    try:
+        model = nn.Linear(8, 4)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        @torch.compile(backend="eager")  # dynamo's tracing is what could break; no code generation needed
+        def optimizer_step() -> None:
+            optimizer.step()
+
+        for _ in range(10):
+            optimizer.zero_grad()
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer_step()
+    except StopRun:
+        pass
+    finally:
+        undo()
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
+        torch._dynamo.reset()
+    summary = tracker.summary()
+    # torch's own optimizer wrapper breaks the graph (its no_grad handling); a clock read in a hook would too.
+    assert not [reason for reason in breaks if "perf_counter" in reason or "stepscope" in reason], breaks
+    assert summary.steps.measured == 4 and summary.steps.boundary == "optimizer.step"
+    assert "optimizer" in summary.phases
+
+
+def test_zero_redundancy_optimizer_is_one_optimizer_step_per_step(tmp_path):
+    # ZeroRedundancyOptimizer.step runs each rank's local Adam step inside its own: one step, timed once, while the
+    # doctor still sees the local Adam's settings.
+    r = stepscope_run(tmp_path, "--", *torchrun(), script("zero.py"), warmup=3, steps=8, timeout=180)
+    assert r.returncode == 0, r.describe()
+    for rank in r.summary.ranks:
+        assert rank.steps.measured == 8 and rank.steps.boundary == "optimizer.step", r.describe()
+        assert rank.counters["optimizer_steps"] == pytest.approx(1), rank.counters
+        assert rank.exit.reason == "stopped", rank.exit
+        assert {o["type"] for o in rank.facts["optimizers"]} == {"ZeroRedundancyOptimizer", "Adam"}
+
+
+# -- stopping after --steps: at the next step's first event --------------------------------------------------------
+
+
+def test_stop_lets_the_last_steps_tail_run(tmp_path):
+    r = stepscope_run(tmp_path, script("step_tail.py"), warmup=2, steps=5)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert s.steps.measured == 5 and s.exit.reason == "stopped", r.describe()
+    # Steps 0-6 closed at their optimizer steps; step 6's scheduler step and log line ran, step 7 never began.
+    tails = [line for line in r.stdout.splitlines() if line.startswith("tail ")]
+    assert tails == [f"tail {i}" for i in range(7)], r.describe()
+    assert "step_tail: done" not in r.stdout
+
+
+def test_a_loop_that_ends_with_the_last_measured_step_finishes(tmp_path):
+    r = stepscope_run(tmp_path, script("step_tail.py"), "--iters", "7", warmup=2, steps=5)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.steps.measured == 5, r.describe()
+    assert s.exit.reason == "finished" and s.exit.code in (0, None), s.exit
+    assert "tail 6" in r.stdout and "step_tail: done" in r.stdout, r.describe()
+
+
+# -- the integrations: the first measured step is the step a timer at the same hook reads -------------------------
+
+SLOW_START_S = 0.03  # what starting the system sampler may cost (NVML's init on a GPU machine takes tens of ms)
+STEP_S = 0.02
+
+
+@pytest.fixture
+def slow_sampler_start(monkeypatch):
+    import stepscope.collectors
+
+    real = stepscope.collectors.start_collectors
+
+    def start_collectors(*args, **kwargs):
+        time.sleep(SLOW_START_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepscope.collectors, "start_collectors", start_collectors)
+
+
+class Sleepy(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        time.sleep(STEP_S / 4)  # batches of 4: STEP_S of loading per step
+        return torch.randn(8), torch.randn(1)
+
+
+def check_steps_match(series_ms: list[float], marks_ns: list[int], warmup: int) -> None:
+    """stepscope's step times against the hand timer's (the time between its marks at the closing hook)."""
+    hand_ms = [(b - a) / 1e6 for a, b in itertools.pairwise(marks_ns)]
+    # series point i is step i (stride 1), and step i ends at mark i: step i's hand time is hand_ms[i - 1].
+    for i in range(warmup - 1, len(series_ms)):
+        assert abs(series_ms[i] - hand_ms[i - 1]) < 2.0, (i, series_ms, hand_ms)
+    # The sampler started in the last warm-up step, and its start is counted there, not in a measured step.
+    assert series_ms[warmup - 1] >= (SLOW_START_S + STEP_S) * 1e3
+    assert series_ms[warmup] < (SLOW_START_S + STEP_S) * 1e3, series_ms
+
+
+def test_lightning_first_measured_step_is_the_hand_timers(slow_sampler_start):
+    pl = pytest.importorskip("lightning.pytorch")
+    from stepscope.integrations.lightning import StepscopeCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class HandTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.marks_ns: list[int] = []
+
+        def on_train_batch_end(self, *args) -> None:
+            self.marks_ns.append(time.perf_counter_ns())
+
+    hand = HandTimer()
+    callback = StepscopeCallback(warmup=2, system_interval_s=1.0, print_table=False)
+    trainer = pl.Trainer(
+        max_steps=8, callbacks=[hand, callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Tiny(), DataLoader(Sleepy(), batch_size=4))
+    summary = callback.summary
+    assert summary.steps.measured == 6 and summary.series.stride == 1
+    check_steps_match(summary.series.step_ms, hand.marks_ns, warmup=2)
+
+
+def test_hf_first_measured_step_is_the_hand_timers(slow_sampler_start, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from stepscope.integrations.hf import StepscopeCallback
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    class Pairs(Sleepy):
+        def __getitem__(self, index: int):
+            x, y = super().__getitem__(index)
+            return {"x": x, "labels": y}
+
+    class HandTimer(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.marks_ns: list[int] = []
+
+        def on_step_end(self, *args, **kwargs) -> None:
+            self.marks_ns.append(time.perf_counter_ns())
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, save_strategy="no", report_to="none",
+        disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, logging_steps=100,
+    )  # fmt: skip
+    hand = HandTimer()
+    trainer = transformers.Trainer(model=Regressor(), args=args, train_dataset=Pairs(), callbacks=[hand])
+    callback = StepscopeCallback(warmup=2, system_interval_s=1.0, print_table=False).attach(trainer)
+    trainer.train()
+    summary = callback.summary
+    assert summary.steps.measured == 6 and summary.series.stride == 1
+    check_steps_match(summary.series.step_ms, hand.marks_ns, warmup=2)
