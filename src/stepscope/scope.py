@@ -11,6 +11,7 @@ stepscope is logged once and stops measurement; the training loop goes on.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -19,12 +20,13 @@ import socket
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
 from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
-from stepscope.record import DATA_PHASE, OTHER_PHASE, Recorder, StepRecord, summarize
+from stepscope.record import DATA_PHASE, EVAL_PHASE, OTHER_PHASE, EvalPasses, Recorder, StepRecord, summarize
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary
 
@@ -105,6 +107,9 @@ class _NoCollectors:
     def snapshot(self) -> dict[str, float]:
         return {}
 
+    def hotspots(self, phases: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
 
 NO_COLLECTORS = _NoCollectors()
 
@@ -138,6 +143,42 @@ class _HostPhase:
         except Exception as error:
             scope._fail(error)
         return False
+
+
+class _EvalPhase(_HostPhase):
+    """``scope.phase("eval")``: a validation pass. Its wall time is taken out of the step it falls in and the
+    phases inside it (a ``scope.data(val_loader)`` fetch, a forward) are its own, so the step statistics describe
+    training alone; the passes are reported apart (``RunSummary.eval``)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        t0 = self._clock()
+        self._starts.append(t0)
+        if len(self._starts) == 1:  # a nested eval phase is part of the outer pass
+            self._scope._begin_eval(t0)
+
+    def __exit__(self, *exc: object) -> bool:
+        t1 = self._clock()
+        try:
+            self._starts.pop()
+            if not self._starts:
+                self._scope._end_eval(t1)
+        except Exception as error:
+            self._scope._fail(error)
+        return False
+
+
+@dataclass(slots=True)
+class _EvalWindow:
+    """What an open validation pass set aside: the step's own accumulators, restored when the pass ends."""
+
+    start_ns: int
+    current: dict[str, int]
+    claimed_ns: int
+    depth: int
+    device: Any
+    step_start_ns: int | None
 
 
 class _CudaPhase(_HostPhase):
@@ -237,6 +278,10 @@ class _MarkedIterable(_TimedIterable):
             yield item
 
 
+# the generator frames a timed fetch runs in: while one is on the stack, the loop waits for data
+_FETCH_CODES = frozenset({_TimedIterable.__iter__.__code__, _MarkedIterable.__iter__.__code__})
+
+
 class Scope:
     """Times the phases of a training loop without perturbing it.
 
@@ -252,8 +297,11 @@ class Scope:
         flops_per_step: model FLOPs of one step (``stepscope.analyses.flops.count_flops``): adds ``perf/tflops``
             and, with ``peak_tflops`` (the GPU's dense peak for the training dtype), ``perf/mfu``.
         system_interval_s: seconds between samples of host CPU/memory and GPU utilisation, clocks, power and energy
-            (NVML), from the first measured step until ``close()``; 0.05 (20 Hz) at the fastest; None samples
+            (NVML), from the last warm-up step until ``close()``; 0.05 (20 Hz) at the fastest; None samples
             nothing. At 1 s the sampler thread costs ~0.1% of one core (docs/benchmarks.md).
+        stack_sample_hz: also sample the training thread's stack this often while the system sampler runs, naming
+            the source lines of ``other``, ``sync`` and ``data_wait`` time (``RunSummary.hotspots``); None (the
+            default) samples no stacks and costs nothing. ``DEFAULT_STACK_HZ`` (100) costs < 1% of a step.
         profile: record a few steps with torch.profiler (`ProfileWindow`: schedule counted from the first measured
             step, one ``rank<R>.step<A>-<B>.pt.trace.json.gz`` per rank and window); phases become
             ``stepscope/<phase>`` ranges in the trace.
@@ -282,6 +330,7 @@ class Scope:
         flops_per_step: int | None = None,
         peak_tflops: float | None = None,
         system_interval_s: float | None = 1.0,
+        stack_sample_hz: float | None = None,
         profile: ProfileWindow | None = None,
         nvtx: bool = False,
         nsys_window: NsysWindow | str | None = None,
@@ -304,7 +353,15 @@ class Scope:
             from stepscope.collectors.sampler import check_interval
 
             system_interval_s = check_interval(system_interval_s)
+            _import_host_collector()
         self._system_interval_s = system_interval_s
+        if stack_sample_hz is not None:
+            from stepscope.collectors.stacks import check_rate
+
+            stack_sample_hz = check_rate(stack_sample_hz)
+        self._stack_sample_hz = stack_sample_hz
+        # which phase is open at a stack sample's instant; the auto-instrumentation's tracker replaces it
+        self._phase_of: Any = self._phase_at
         self._collectors: Any = NO_COLLECTORS
         if timing == "cuda" and events is None and not _cuda_available():
             raise ValueError("timing='cuda' needs a CUDA device, and torch sees none: use timing='auto' or 'host'.")
@@ -322,6 +379,8 @@ class Scope:
         self._current: dict[str, int] = {}
         self._claimed_ns = 0
         self._failed: str | None = None
+        self._eval = EvalPasses()
+        self._eval_window: _EvalWindow | None = None
         self._pipeline: Any = None  # a linked PipelineMonitor
         self._started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self._capture(profile, nvtx, nsys_window)
@@ -336,7 +395,8 @@ class Scope:
         its parent's share and is reported separately. A phase whose body raises still closes."""
         phase = self._phases.get(name)
         if phase is None:
-            phase = self._phases[name] = self._phase_type(self, name)
+            kind = _EvalPhase if name == EVAL_PHASE else self._phase_type
+            phase = self._phases[name] = kind(self, name)
         return phase
 
     def data(self, iterable: Iterable[T]) -> Iterable[T]:
@@ -430,17 +490,19 @@ class Scope:
             summary.system = self._collectors.peek(
                 steps=recorder.measured + recorder.profiled, samples=recorder.samples or None
             )
+            summary.hotspots = self._collectors.hotspots(summary.phases)
         except Exception as error:
             summary.notes.append(f"the system figures could not be read ({type(error).__name__}: {error})")
         if self._device.dropped_steps:
             summary.notes.append(
                 f"device time missing for {self._device.dropped_steps} step(s) whose events never completed."
             )
+        summary.eval = self._eval.to_dict(train_s=recorder.step_stats.total)
         if self._pipeline is not None:
-            from stepscope.doctor.verdict import classify
-
             summary.pipeline = self._pipeline.to_summary()
-            summary.verdict = classify(summary)
+        from stepscope.doctor.verdict import classify
+
+        summary.verdict = classify(summary)  # the same rules as the CLI's: one place decides
         if self._failed:
             summary.notes.append(f"measurement stopped early after an internal error: {self._failed}")
         return summary
@@ -478,7 +540,7 @@ class Scope:
         except Exception as error:
             self._fail(error)
             return
-        self._collectors = _Closed(final)
+        self._collectors = _Closed(final, collectors.hotspots)
 
     # -- internals ----------------------------------------------------------------------------------------------
 
@@ -536,6 +598,46 @@ class Scope:
             self._log_step(record.index)
         elif recorder.measuring:
             self._start_measuring()
+        elif recorder.steps_seen == recorder.warmup - 1:
+            self._start_sampler()  # the last warm-up step begins: what starting it costs is in no measured step
+
+    def _begin_eval(self, t0: int, moved: dict[str, int] | None = None) -> None:
+        """A validation pass begins at ``t0``: from now on phase time is the pass's, not the step's. ``moved``
+        (phase -> ns) is time already added to the step that belongs to the pass (its first fetch, say): it moves
+        into the pass, whose wall time must then start no later than that time did."""
+        current, claimed = self._current, self._claimed_ns
+        for name, ns in (moved or {}).items():
+            current[name] = current.get(name, 0) - ns
+            claimed -= ns
+        self._eval_window = _EvalWindow(t0, current, claimed, self._depth, self._device, self._step_start_ns)
+        self._current, self._claimed_ns, self._depth = dict(moved or {}), 0, 0
+        self._device = HOST_ONLY  # the pass's GPU work is not the step's: no device events for it
+
+    def _end_eval(self, t1: int, keep: bool = True, forwards: int = 0, batches: int = 0) -> None:
+        """The pass that began at ``_begin_eval`` ends at ``t1``: the step gets its accumulators back, less the
+        pass's wall time. ``keep=False``: it was training work after all (a frozen teacher's forward without
+        gradients), so its phases go back into the step."""
+        window, self._eval_window = self._eval_window, None
+        if window is None:
+            return
+        inside, claimed_inside = self._current, self._claimed_ns
+        self._current, self._claimed_ns, self._depth, self._device = (
+            window.current,
+            window.claimed_ns,
+            window.depth,
+            window.device,
+        )
+        if not keep:
+            for name, ns in inside.items():
+                self._current[name] = self._current.get(name, 0) + ns
+            self._claimed_ns += claimed_inside
+            return
+        if window.step_start_ns is not None:
+            self._step_start_ns = window.step_start_ns + (t1 - window.start_ns)
+        elif self._step_start_ns is not None:
+            self._step_start_ns = None  # set inside the pass: the step begins at its first phase after it
+        if self._recorder.measuring:
+            self._eval.add(t1 - window.start_ns, inside, forwards, batches)
 
     def _capture(self, profile: ProfileWindow | None, nvtx: bool, nsys_window: NsysWindow | str | None) -> None:
         """Set up the profiler window, phase ranges and Nsight window; each is absent (a no-op) unless asked for."""
@@ -575,16 +677,44 @@ class Scope:
             self._phases = {}
         if self._profiler is not None:
             self._start_profiler()
+        if self._collectors is NO_COLLECTORS:
+            self._start_sampler()  # no warm-up step was left to start it in
+
+    def _start_sampler(self) -> None:
+        """Start the system sampler, as the last warm-up step begins (or, with fewer than two warm-up steps, as
+        measuring begins): a thread start, and NVML's on a GPU machine, cost up to tens of ms, which a measured step
+        must not carry. Nothing is subtracted from any step: a step's time is what a timer in the script reads."""
         if self._system_interval_s is not None:
             from stepscope.collectors import start_collectors
 
             devices = [sys.modules["torch"].cuda.current_device()] if cuda_in_use() else []
-            self._collectors = start_collectors(self._system_interval_s, devices=devices)
+            self._collectors = start_collectors(
+                self._system_interval_s, devices=devices, stack_sample_hz=self._stack_sample_hz, phase_of=self._phase_of
+            )
             # A scope dropped without close() must not leave its sampler running (the thread holds no reference
             # to the scope, so the scope can be collected).
             weakref.finalize(self, self._collectors.stop)
-            if self._step_start_ns is not None:
-                self._step_start_ns = self._clock()  # starting the sampler is stepscope's time, not the step's
+
+    def _phase_at(self, frame: Any) -> str | None:
+        """The phase open while the training thread runs ``frame`` (read by the stack sampler's thread): data_wait
+        inside a timed fetch, else the innermost open phase (the one begun last), else other. Read from the
+        phases' own start stacks, so the loop pays nothing for it."""
+        if self._failed:
+            return None
+        while frame is not None:
+            if frame.f_code in _FETCH_CODES:
+                return DATA_PHASE
+            frame = frame.f_back
+        latest, name = -1, OTHER_PHASE
+        for phase in list(self._phases.values()):
+            starts = phase._starts
+            if starts:
+                try:
+                    if starts[-1] > latest:
+                        latest, name = starts[-1], phase._name
+                except IndexError:  # closed on the training thread meanwhile
+                    continue
+        return name
 
     def _fail(self, error: BaseException) -> None:
         """Stop measuring after an internal error; the training loop must go on."""
@@ -638,8 +768,9 @@ def _config_flag(config: Any, key: str) -> bool:
 class _Closed:
     """The sampler's final figures, after ``Scope.close()``."""
 
-    def __init__(self, system: dict[str, Any]) -> None:
+    def __init__(self, system: dict[str, Any], hotspots: Any = NO_COLLECTORS.hotspots) -> None:
         self._system = system
+        self.hotspots = hotspots
 
     def peek(self, steps: int | None = None, samples: int | None = None) -> dict[str, Any]:
         return self._system
@@ -656,6 +787,13 @@ def enabled_scope(**kwargs: Any) -> Scope:
     scope = object.__new__(Scope)
     scope.__init__(**kwargs)
     return scope
+
+
+def _import_host_collector() -> None:
+    """Import the host collector (psutil: ~10 ms) as the Scope is built, not inside a step: with fewer than two
+    warm-up steps the sampler starts inside the first measured step, and nothing is subtracted from it."""
+    with contextlib.suppress(ImportError):  # start_collectors says which figures are missing and why
+        import stepscope.collectors.host  # noqa: F401
 
 
 def _cuda_available() -> bool:

@@ -95,6 +95,7 @@ class Fix:
     gain_bound: float | None  # upper bound on the step-time saving, 0..1; null when it cannot be bounded
     gain_reason: str = ""
     changes_numerics: bool = False
+    gain_basis: str = "step"  # what gain_bound is a share of: "step" time, or "wall" time (outside the steps)
 
 
 @dataclass
@@ -164,6 +165,10 @@ class Straggler:
     rank: int
     phase: str
     excess_ms: float  # that rank's mean time in the phase above the median of the other ranks
+    # The ranks that wait for it in collectives: their `comms` time per step clearly above the straggler's own.
+    waiting_ranks: list[int] = field(default_factory=list)
+    wait_ms: float | None = None  # the median of the waiting ranks' mean comms time per step
+    own_comms_ms: float | None = None  # the straggler's own mean comms time per step (the collectives' own cost)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,8 +23,11 @@ from typing import Any
 
 from stepscope.analyses.params import NO_AUDIT, ModelAuditor, NoAudit
 from stepscope.clock import HOST_ONLY
+from stepscope.collectors.stacks import DEFAULT_STACK_HZ
 from stepscope.doctor import facts
-from stepscope.record import NO_STEP_MARK
+from stepscope.doctor.verdict import classify
+from stepscope.instrument.evaluation import EvalDetector
+from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
 
@@ -40,6 +44,8 @@ COUNTERS = (
     "host_syncs",
     "checkpoint_calls",
 )
+# The events that begin a step: once the requested steps are measured, the first of them ends the script.
+STOP_EVENTS = ("fetch_begin", "forward_begin", "backward_begin", "optimizer_step_begin")
 PROBES = 8  # forward passes (and attention calls) probed for runtime facts at the start of the measured window
 
 
@@ -67,6 +73,7 @@ class RunConfig:
     include_zero_grad: bool = False
     audit_continue: bool = False  # `stepscope doctor`: after the audit's backward passes, go on training unwatched
     system_interval_s: float | None = 1.0  # host/GPU sampling period over the measured steps; None: no sampling
+    stack_sample_hz: float | None = DEFAULT_STACK_HZ  # training-thread stack samples per second (hotspots); None: none
     sinks: list[str] = field(default_factory=list)  # per-step metrics: "jsonl:PATH", "tensorboard:DIR", ...
     # `stepscope dataloader`: {batches, warmup, device, sweep, budget_s, sweep_batches, sweep_warmup, loader}; the
     # first iteration of a DataLoader (or of the chosen one) is measured alone and the script stopped
@@ -115,6 +122,10 @@ class Tracker:
         self._clock = scope._clock
         self.active = True
         self._stack: list[str] = []
+        self.evals = EvalDetector()  # validation passes between steps: kept out of the step (see evaluation.py)
+        self._fetch_loader: int | None = None
+        self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
+        scope._phase_of = self.phase_at  # the stack sampler reads the phase stack, not the Scope's phases
         # profiler/NVTX ranges around phases (`stepscope run --trace/--nvtx`); no-ops otherwise
         self._range_push = scope._ranges.push
         self._range_pop = scope._ranges.pop
@@ -126,12 +137,17 @@ class Tracker:
         self._round: set[int] = set()
         self._closer: int | None = None
         self._backward_pending = False
+        # DDP's gradient all-reduce wait: the tail of backward after the last DDP gradient was accumulated
+        self._ddp_tail: int | None = None  # the parameter whose gradient came last in the previous backward
+        self._ddp_last: int | None = None  # the last one so far in this backward
+        self._tail_split = False  # backward's open segment began at that gradient: it is comms, not backward
         # counters: cumulative over the run; snapshots at the last closed step and where measuring began
         self.seen = dict.fromkeys(COUNTERS, 0)
         self._seen_closed = dict(self.seen)
         self._seen_at_measure = dict(self.seen)
         self._step_samples = 0
-        self.stopped = False
+        self.stopped = False  # ended by StopRun
+        self.stop_due = False  # the requested steps are measured: StopRun at the next step's first event
         self.outcome: Exit | None = None  # how the process ended, when known (error, signal)
         self.failure: str | None = None  # stepscope's own error that stopped measuring
         # loaders
@@ -203,15 +219,45 @@ class Tracker:
         # Waiting for data launches no GPU work: events around it would only measure an idle GPU.
         self._segment_event = None if device is HOST_ONLY or self._stack[-1] in HOST_PHASES else device.start()
 
-    def _close_segment(self, now: int) -> None:
-        top = self._stack[-1]
+    def _close_segment(self, now: int, phase: str | None = None) -> None:
+        top = phase or self._stack[-1]
         self.scope._add(top, now - self._segment_start)
         if self._segment_event is not None:
             self.scope._device.stop(top, self._segment_event)
             self._segment_event = None
 
+    def phase_at(self, frame: Any) -> str | None:
+        """The phase that owns the clock now (called from the stack sampler's thread): the innermost open phase,
+        ``other`` when none is open, None once tracking stopped (a loader ceiling run is not the script's step)."""
+        if not self.active:
+            return None
+        if self.scope._eval_window is not None:
+            return EVAL_PHASE
+        try:
+            return self._stack[-1]
+        except IndexError:
+            return "other"
+
     def _count(self, counter: str) -> None:
         self.seen[counter] += 1
+
+    def _loader_key(self, source: Any) -> int | None:
+        """The index of the loader behind ``source`` (an iterator of it, or the loader), None for a new one."""
+        state = self._iterators.get(source) if source is not None else None
+        if state is None:
+            state = self._loaders.get(id(source))
+        return None if state is None else state.info.index
+
+    def take_from_step(self, batches: int, samples: int) -> None:
+        """Batches already counted in this step that a validation pass turned out to own."""
+        self.seen["batches"] -= batches
+        self._step_samples -= samples
+
+    def give_to_step(self, forwards: int, batches: int, samples: int) -> None:
+        """What a stretch thought to be a validation pass counted, back in the step (it was training work)."""
+        self.seen["forward_calls"] += forwards
+        self.seen["batches"] += batches
+        self._step_samples += samples
 
     # The hooks' entry points: an error inside stops measurement instead of reaching the script. Methods of the
     # tracker call the unguarded versions, so each hook event pays for one guard.
@@ -237,8 +283,11 @@ class Tracker:
         self._iterators[iterator] = state
 
     @_guarded
-    def fetch_begin(self) -> int:
+    def fetch_begin(self, source: Any = None) -> int:
+        """A fetch from ``source`` (a loader iterator, or the loader for ``iter(loader)``) begins."""
         self._close_backward_step()
+        self._fetch_loader = self._loader_key(source)
+        self.evals.fetch_begin(self, self._fetch_loader, self._clock())
         self.in_fetch = True
         self._enter("data_wait")
         return self._clock()
@@ -254,7 +303,8 @@ class Tracker:
             tensors = batch_tensors(batch)
             self.batch_ids = frozenset(id(t) for t in tensors)
             samples = batch_samples(tensors)
-            self._step_samples += samples
+        if not self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None) and batch is not None:
+            self._step_samples += samples  # a validation pass's batches are not the step's
             self._count("batches")
         if state is not None:
             state.info.fetch_s += (now - t0) / 1e9
@@ -275,10 +325,12 @@ class Tracker:
             return False  # inside a forward already, a fetch, or backward's recomputation of checkpointed layers
         self.audit.see(module)
         self._close_backward_step()
-        if self.probes_left:
+        evaluating = self.evals.forward(self, module, self._grad_enabled(), self._clock())
+        if self.probes_left and not evaluating:
             self._probe(module, args, kwargs)
         self.in_forward = True
-        self._count("forward_calls")
+        if not evaluating:
+            self._count("forward_calls")
         self._enter("forward")
         return True
 
@@ -292,13 +344,47 @@ class Tracker:
         if self._stack and self._stack[-1] == "backward":
             return False  # Tensor.backward calling torch.autograd.backward
         self._close_backward_step()
+        self.evals.training(self, self._clock())
         self._count("backward_calls")
         self.audit.begin_backward()
         self._enter("backward")
         return True
 
+    @property
+    def backward_open(self) -> bool:
+        """True while a backward pass runs (autograd's device threads may then report events)."""
+        return "backward" in self._stack
+
+    @_guarded
+    def grad_ready(self, key: int, ddp: weakref.ref[Any]) -> None:
+        """DDP parameter ``key``'s gradient was accumulated; DDP's reducer marks it ready right after.
+
+        Once the last gradient is ready the reducer launches the last bucket's all-reduce, and backward ends by
+        waiting for every bucket's all-reduce: from the last gradient to the end of backward, backward waits for
+        the other ranks and the network, which is ``comms`` time. Which parameter comes last is fixed by the graph,
+        so it is learned from the previous backward pass, and only its hook splits the phase (one clock read per
+        other gradient). Should the order change, a later gradient puts the time since back into backward."""
+        self._ddp_last = key
+        if key == self._ddp_tail or self._tail_split:
+            module = ddp()
+            syncing = key == self._ddp_tail and getattr(module, "require_backward_grad_sync", True)
+            if self._stack and self._stack[-1] == "backward":
+                now = self._clock()
+                self._close_segment(now)
+                self._open_segment(now)
+                self._tail_split = syncing
+
     @_guarded
     def backward_end(self) -> None:
+        if self._ddp_last is not None:
+            self._ddp_tail, self._ddp_last = self._ddp_last, None
+        if self._tail_split:
+            self._tail_split = False
+            if self._stack and self._stack[-1] == "backward":
+                now = self._clock()
+                self._close_segment(now, "comms")
+                # backward itself ended at the last gradient: the rest of it is the wait just counted
+                self._segment_start, self._segment_event = now, None
         self._exit("backward")
         if self.optimizers_created == 0 and self.boundary != "optimizer.step":
             self.boundary = "backward"
@@ -314,6 +400,17 @@ class Tracker:
             raise StopRun()
 
     @_guarded
+    def optimizer_step_begin(self, optimizer: Any) -> bool:
+        """``optimizer.step`` begins; returns False when it is not to be timed: it runs inside another optimizer's
+        step (ZeroRedundancyOptimizer steps its local optimizer), whose time and step boundary it is part of."""
+        if "optimizer" in self._stack:
+            self._see_optimizer(optimizer)  # the local optimizer's settings are the ones the doctor advises on
+            return False
+        self.evals.training(self, self._clock())
+        self._enter("optimizer")
+        return True
+
+    @_guarded
     def optimizer_step_end(self, optimizer: Any) -> None:
         """After ``optimizer.step``: close the step when this optimizer ends a round."""
         self._exit("optimizer")
@@ -321,14 +418,17 @@ class Tracker:
         self.boundary = "optimizer.step"
         self._backward_pending = False
         key = id(optimizer)
-        if key not in self._optimizers:
-            self._optimizers[key] = self._describe(facts.describe_optimizer, optimizer)
+        self._see_optimizer(optimizer)
         if key not in self._round:
             # A new optimizer joins the round after those seen so far: it is now the one that ends a round.
             self._round.add(key)
             self._closer = key
         if key == self._closer:
             self.close_step()
+
+    def _see_optimizer(self, optimizer: Any) -> None:
+        if id(optimizer) not in self._optimizers:
+            self._optimizers[id(optimizer)] = self._describe(facts.describe_optimizer, optimizer)
 
     def fail(self, error: BaseException) -> None:
         """Stop measuring after an internal error, said once; the script runs on."""
@@ -361,9 +461,12 @@ class Tracker:
         if self._backward_pending:
             self._backward_pending = False
             self.close_step()
+            if self.stop_due:
+                self._stop_run()  # the event that closed it begins the next step
 
     def close_step(self) -> None:
-        """End the current step; raises StopRun once the requested steps are measured."""
+        """End the current step; once the requested steps are measured, arm the stop at the next step's first
+        event (``_stop_at_next_event``)."""
         scope = self.scope
         open_phases = bool(self._stack)
         if open_phases:
@@ -375,6 +478,7 @@ class Tracker:
         samples = self._step_samples or self.config.batch_size
         profiled = scope._recorder.profiled
         scope.step(batch_size=samples or None)
+        self.evals.step_closed()
         if scope._recorder.profiled != profiled:  # a step recorded by torch.profiler: left out of the counts too
             for name in COUNTERS:
                 self._seen_at_measure[name] += self._seen_closed[name] - closed_before[name]
@@ -392,10 +496,34 @@ class Tracker:
             self._last_checkpoint_ns = self._clock()
             self.on_checkpoint()
         if self.config.stop and scope._recorder.measured >= self.config.steps:
-            self.stopped = True
             self.stop_tracking()
             self._measure_ceiling()
-            raise StopRun()
+            self._stop_at_next_event()
+
+    def _stop_at_next_event(self) -> None:
+        """The requested steps are measured: end the script with StopRun at the next step's first event (a fetch,
+        forward, backward or optimizer step), not here, so that the last step's tail runs as it would (torch's
+        optimizer wrapper, the script's own code after ``optimizer.step``). A script whose loop ends first just
+        finishes. Only the thread that closed the step stops: a loader or model used from another thread (a
+        prefetcher) goes on unwatched."""
+        thread = threading.get_ident()
+        for name in STOP_EVENTS:
+            setattr(self, name, self._stop_or(getattr(self, name), thread))
+        self.stop_due = True
+        self.active = True  # for the hooks to reach the armed events; what is timed now is in no recorded step
+
+    def _stop_or(self, event: Callable[..., Any], thread: int) -> Callable[..., Any]:
+        def stop_here(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != thread:
+                return event(*args, **kwargs)
+            self._stop_run()
+
+        return stop_here
+
+    def _stop_run(self) -> None:
+        self.stopped = True
+        self.stop_tracking()
+        raise StopRun()
 
     def _measure_ceiling(self) -> None:
         """`stepscope doctor`: the measured steps are done; iterate the loader that fed them alone for a few
@@ -625,6 +753,7 @@ class Tracker:
                 f"{seen['forward_calls']} forward pass(es), but never called backward() or optimizer.step(); "
                 "stepscope ends a step at an optimizer step (or at a backward call when there is no optimizer)."
             )
+        summary.verdict = classify(summary)  # again: the facts, loaders and ceiling added here inform it
         return summary
 
     def _epoch(self, state: _LoaderState, end_ns: int, complete: bool) -> Epoch:

@@ -1,0 +1,123 @@
+"""Tells validation passes from training work in an unmodified script's events.
+
+A validation pass is forwards without gradients (``torch.no_grad``/``inference_mode``) or of a module in
+``eval()`` mode, between training steps: they begin before the step has done any training work (a forward with
+gradients, a backward, an optimizer step). From the first such forward the time is the pass's (``Scope``'s eval
+window: phases go to the pass, and its wall time leaves the step) until training resumes.
+
+Training resumes at a fetch from a *training* loader (one whose batches fed a backward), or at a training
+forward, backward or optimizer step. In the second case the stretch may have been part of the step after all: a
+frozen teacher's forward before the student's, a model kept in ``eval()`` while fine-tuning. It is kept apart
+only when it fetched batches between its forwards (a validation loop over a loader) or ran at least
+``MIN_PASS_FORWARDS`` forwards; otherwise its time goes back into the step. The validation loader's fetches
+just before the first forward (``iter(val_loader)`` and its first batch) belong to the pass and move into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MIN_PASS_FORWARDS = 4  # forwards without a validation loader that make a pass rather than part of a step
+
+
+@dataclass(slots=True)
+class _Fetch:
+    loader: int | None
+    start_ns: int
+    ns: int
+    samples: int
+    batch: bool
+
+
+@dataclass
+class EvalDetector:
+    """The state machine behind ``stepscope run``'s eval phase; the tracker reports events to it and applies what
+    it decides to the Scope (``_begin_eval``/``_end_eval``) and to the step's counts."""
+
+    training_loaders: set[int] = field(default_factory=set)
+    open: bool = False
+    fresh: bool = True  # no training work since the step closed
+    forwards: int = 0  # in the open pass
+    batches: int = 0
+    samples: int = 0
+    fetched: bool = False  # the open pass fetched a batch after its first forward: a loop over a loader
+    _moved: set[int | None] = field(default_factory=set)  # loaders whose fetches moved into the open pass
+    _step_loaders: set[int] = field(default_factory=set)  # loaders fetched from in this step, outside passes
+    _fetches: list[_Fetch] = field(default_factory=list)  # this step's fetches since its last training event
+
+    def fetch_begin(self, tracker: Any, loader: int | None, now: int) -> None:
+        """A fetch from ``loader`` begins: one from a training loader ends an open pass."""
+        if self.open and loader is not None and loader in self.training_loaders:
+            self._end(tracker, now, keep=True)
+
+    def fetch_end(self, loader: int | None, start_ns: int, end_ns: int, samples: int, batch: bool) -> bool:
+        """A fetch ended; True when it belongs to an open pass (its batch and samples are not the step's)."""
+        if self.open:
+            self.fetched = True
+            self.batches += batch
+            self.samples += samples
+            return True
+        if loader is not None:
+            self._step_loaders.add(loader)
+        self._fetches.append(_Fetch(loader, start_ns, end_ns - start_ns, samples, batch))
+        return False
+
+    def forward(self, tracker: Any, module: Any, grad_enabled: bool, now: int) -> bool:
+        """An outermost forward begins; True when it is part of a validation pass."""
+        evaluating = not grad_enabled or not getattr(module, "training", True)
+        if self.open:
+            if evaluating:
+                self.forwards += 1
+                return True
+            self._end(tracker, now, keep=self._is_pass())
+        elif evaluating and self.fresh:
+            self._begin(tracker, now)
+            self.forwards = 1
+            return True
+        if not evaluating:
+            self._trained()
+        return False
+
+    def training(self, tracker: Any, now: int) -> None:
+        """A backward or an optimizer step begins: training work."""
+        if self.open:
+            self._end(tracker, now, keep=self._is_pass())
+        self._trained()
+
+    def step_closed(self) -> None:
+        self.fresh = True
+        self._fetches.clear()
+        self._step_loaders.clear()
+
+    def _trained(self) -> None:
+        self.fresh = False
+        self.training_loaders |= self._step_loaders
+        self._fetches.clear()
+
+    def _is_pass(self) -> bool:
+        return self.fetched or self.forwards >= MIN_PASS_FORWARDS
+
+    def _begin(self, tracker: Any, now: int) -> None:
+        # The validation loader's fetches just before: `for x in val_loader` fetches before its first forward.
+        moved = [f for f in self._fetches if f.loader is None or f.loader not in self.training_loaders]
+        self._fetches.clear()
+        self._moved = {f.loader for f in moved}
+        self._step_loaders -= self._moved  # the pass's loader: not one that feeds training
+        start = min([now, *(f.start_ns for f in moved)])
+        moved_ns = sum(f.ns for f in moved)
+        tracker.scope._begin_eval(start, {"data_wait": moved_ns} if moved_ns else None)
+        self.open = True
+        self.fetched = False
+        self.batches = sum(f.batch for f in moved)
+        self.samples = sum(f.samples for f in moved)
+        tracker.take_from_step(self.batches, self.samples)
+
+    def _end(self, tracker: Any, now: int, keep: bool) -> None:
+        tracker.scope._end_eval(now, keep=keep, forwards=self.forwards, batches=self.batches)
+        if not keep:
+            tracker.give_to_step(self.forwards, self.batches, self.samples)
+            self._step_loaders |= {loader for loader in self._moved if loader is not None}
+        self.open = False
+        self.forwards = self.batches = self.samples = 0
+        self._moved = set()

@@ -1,0 +1,128 @@
+"""Validation passes kept apart from the training step: ``Scope.phase("eval")`` with a fake clock (exact figures),
+and ``stepscope run`` telling validation forwards from training work in unmodified scripts (sleep-based ground
+truth: the model's forward sleeps a known time)."""
+
+from __future__ import annotations
+
+import pytest
+from run_helpers import script, stepscope_run
+
+from stepscope import Scope
+
+
+def _train_step(scope: Scope, clock, data_ms: float = 2.0, forward_ms: float = 5.0) -> None:
+    with scope.phase("data_wait"):
+        clock.advance(data_ms)
+    with scope.phase("forward"):
+        clock.advance(forward_ms)
+    clock.advance(1.0)  # the loop's own Python: other
+    scope.step(batch_size=8)
+
+
+def test_an_eval_phase_leaves_the_step_and_is_reported_apart(clock):
+    scope = Scope(warmup=1, clock=clock, system_interval_s=None)
+    _train_step(scope, clock)  # warm-up
+    for i in range(6):
+        _train_step(scope, clock)
+        if i % 3 == 2:  # a validation pass after every third step: 4 fetches and 4 forwards
+            with scope.phase("eval"):
+                for _ in range(4):
+                    with scope.phase("data_wait"):
+                        clock.advance(3.0)
+                    with scope.phase("forward"):
+                        clock.advance(10.0)
+                clock.advance(2.0)  # metric bookkeeping inside the pass
+    summary = scope.summary()
+    # The steps hold training alone: 2 + 5 + 1 ms, every one of them.
+    assert summary.phases["total"].mean_ms == pytest.approx(8.0)
+    assert summary.phases["total"].p95_ms == pytest.approx(8.0)
+    assert summary.phases["forward"].mean_ms == pytest.approx(5.0)
+    assert summary.phases["data_wait"].mean_ms == pytest.approx(2.0)
+    assert summary.phases["other"].mean_ms == pytest.approx(1.0)
+    assert "eval" not in summary.phases
+    assert summary.throughput.samples_per_s == pytest.approx(8 / 8e-3)
+    passes = summary.eval
+    assert passes["passes"] == 2
+    assert passes["mean_ms"] == pytest.approx(54.0) and passes["max_ms"] == pytest.approx(54.0)
+    assert passes["phases_ms"] == pytest.approx({"data_wait": 12.0, "forward": 40.0, "other": 2.0})
+    assert passes["share_of_wall"] == pytest.approx(108 / (108 + 6 * 8))
+    assert passes["time_s"] == pytest.approx(0.108)
+
+
+def test_an_eval_pass_in_the_middle_of_a_step_is_cut_out_of_it(clock):
+    scope = Scope(warmup=0, clock=clock, system_interval_s=None)
+    for _ in range(3):
+        with scope.phase("data_wait"):
+            clock.advance(2.0)
+        with scope.phase("eval"), scope.phase("forward"):  # validation between the fetch and the forward
+            clock.advance(30.0)
+        with scope.phase("forward"):
+            clock.advance(5.0)
+        scope.step()
+    summary = scope.summary()
+    assert summary.phases["total"].mean_ms == pytest.approx(7.0)
+    assert summary.phases["forward"].mean_ms == pytest.approx(5.0)
+    assert "other" not in summary.phases or summary.phases["other"].mean_ms == pytest.approx(0.0)
+    assert summary.eval["passes"] == 3 and summary.eval["phases_ms"]["forward"] == pytest.approx(30.0)
+
+
+def test_eval_during_warm_up_is_cut_out_but_not_counted_and_nested_eval_is_one_pass(clock):
+    scope = Scope(warmup=2, clock=clock, system_interval_s=None)
+    with scope.phase("eval"):  # before any step: the first step begins after it
+        clock.advance(100.0)
+    for _ in range(2):
+        _train_step(scope, clock)
+    with scope.phase("eval"):
+        clock.advance(40.0)
+        with scope.phase("eval"):
+            clock.advance(20.0)
+    for _ in range(3):
+        _train_step(scope, clock)
+    summary = scope.summary()
+    assert summary.phases["total"].mean_ms == pytest.approx(8.0)
+    assert summary.eval["passes"] == 1 and summary.eval["mean_ms"] == pytest.approx(60.0)
+
+
+def test_without_eval_the_summary_has_no_eval_and_the_verdict_is_decided_by_the_scope(clock):
+    scope = Scope(warmup=0, clock=clock, system_interval_s=None)
+    for _ in range(5):
+        _train_step(scope, clock, data_ms=30.0, forward_ms=2.0)
+    summary = scope.summary()
+    assert summary.eval == {}
+    # Scope.summary() runs the same verdict rules as the CLI: data_wait is 30 of 33 ms.
+    assert (summary.verdict.bound, summary.verdict.confidence) == ("data", "high")
+
+
+# -- stepscope run on unmodified scripts ---------------------------------------------------------------------------
+
+FORWARD_MS = 8.0
+
+
+@pytest.mark.parametrize(
+    ("where", "teacher"),
+    [("end", False), ("start", False), ("tensors", False), ("end", True)],
+    ids=["after-the-step-from-a-loader", "before-the-forward-from-a-loader", "from-tensors", "beside-a-teacher"],
+)
+def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, teacher):
+    # 40 measured steps, a pass of 10 no_grad forwards every 10 steps. A teacher's no_grad forward inside every
+    # step (4 ms) is training work and must stay in it.
+    args = ["--where", where, "--val-every", "10", "--val-batches", "10", "--forward-ms", str(FORWARD_MS)]
+    r = stepscope_run(tmp_path, script("validation.py"), *args, *(["--teacher"] if teacher else []), steps=40)
+    assert r.returncode == 0, r.describe()
+    summary = r.summary
+    forward = summary.phases["forward"]
+    expected_ms = FORWARD_MS * (1.5 if teacher else 1.0)
+    # Sleep-based: load makes a sleep longer, never shorter; a validation pass inside a step would put the mean
+    # far above the median (a pass is 10 forwards).
+    assert expected_ms <= forward.median_ms <= expected_ms + 3.0, r.describe()
+    assert forward.mean_ms <= 1.15 * forward.median_ms, r.describe()
+    assert summary.counters["forward_calls"] == pytest.approx(2.0 if teacher else 1.0)
+    assert summary.counters["batches"] == pytest.approx(1.0)  # validation batches are not the step's samples
+    passes = summary.eval
+    assert passes["passes"] == 4, passes
+    assert passes["forwards_per_pass"] == pytest.approx(10.0)
+    assert passes["batches_per_pass"] == pytest.approx(0.0 if where == "tensors" else 10.0)
+    assert 10 * FORWARD_MS <= passes["mean_ms"] <= 10 * FORWARD_MS + 30.0, passes
+    assert 0.3 <= passes["share_of_wall"] <= 0.65, passes  # 4 × 80 ms of passes against 40 × 8–12 ms of steps
+    assert summary.verdict.bound == "compute", r.describe()
+    assert "eval: 4 validation pass(es) between steps" in r.stdout, r.stdout
