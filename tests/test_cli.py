@@ -51,7 +51,7 @@ def test_show_prints_the_phase_table(summary_path, capsys):
     assert line_of(out, "other").split() == ["other", "1.000", "1.000", "1.000", "2.5%"]
     assert line_of(out, "total").split() == ["total", "40.0", "40.0", "40.0", "100.0%"]
     assert "throughput: 25.00 steps/s, 250.0 samples/s over 4 measured steps (warm-up 1)" in out
-    assert "bound: unknown [confidence low]" in out
+    assert "bound: compute [confidence high] (forward is 30% of the step" in out  # Scope.summary() decided it
 
 
 def test_show_prints_a_doctor_summary_with_its_fixes(summary_path, capsys):

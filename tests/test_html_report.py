@@ -21,6 +21,7 @@ from stepscope.analyses.trace.analyze import (
     TraceFileStatus,
 )
 from stepscope.analyses.trace.highlights import highlights
+from stepscope.analyses.trace.ops import OpStat
 from stepscope.cli import _split_run, build_parser, main
 from stepscope.report import svg
 from stepscope.report.html import render_html, write_html
@@ -371,6 +372,52 @@ def test_trace_labels_name_the_file_when_files_share_a_rank():
     analysis.ranks[1].rank = 0
     section = section_of(render_html(RunSummary(trace=highlights(analysis, "/runs/traces"))), "trace")
     assert "<td>rank 0 · rank1.step4-6.pt.trace.json.gz</td>" in section
+
+
+def gloo_job(late: bool) -> RunSummary:
+    """A CPU-only two-rank job in a folder named EVIL, with top operators per rank; rank 1 late from data loading."""
+    job = f"/t/{EVIL}"
+    ranks = [
+        RankTrace(rank, f"{job}/rank{rank}.json", job, "distributedInfo", "cpu", steps=5, step_ms=16.0,
+                  cpu=CpuShare(1, 80.0, 2.0, 98.0), verdict=Verdict("data" if rank else "unknown", "medium", []),
+                  top_ops=[OpStat(f"op{rank} {EVIL}", 6, 91.2 - 80 * (1 - rank), 50.0, 91.5), OpStat("aten::mm", 12,
+                           0.125, 0.1, 0.25)])
+        for rank in (0, 1)
+    ]  # fmt: skip
+    entry = {
+        "job": job, "rank": 1, "cause": "data", "collectives": 5, "last_at": 4, "late_ms": 15.25, "waited_ms": 14.5,
+        "wait_share_pct": 82.4, "wait_pct": 58.0, "cause_ms": 15.3, "others_cause_ms": 0.02, "unit": "per step",
+        "clock_offset_ms": {"0": 0.0, "1": 0.4}, "evidence": [],
+    }  # fmt: skip
+    analysis = TraceAnalysis(ranks, [], Verdict("data", "high", []), late_ranks=[entry] if late else [])
+    return RunSummary(trace=highlights(analysis, "/t"))
+
+
+def test_trace_section_names_the_late_rank_and_its_top_operators():
+    section = section_of(render_html(gloo_job(late=True)), "trace")
+    assert (
+        f"<h3>Late rank</h3><ul><li>in {EVIL_ESCAPED}, rank 1 arrives last at 4 of 5 collectives in the traces, on "
+        "average 15.25 ms after the others; they wait 14.50 ms per step for it (82% of their communication time), "
+        "while it spends 15.30 ms per step on data loading against their 0.02 ms</li></ul>"
+    ) in section
+    # the late rank's operators (what it did while the others waited), not the first rank's
+    assert "<h3>Top operators, rank 1 (CPU-only trace)</h3>" in section and "Top operators, rank 0" not in section
+    assert re.findall(r"<th[^>]*>([^<]*)</th>", section.split("Top operators")[1]) == [
+        "operator", "calls", "self ms", "% self time", "total ms",
+    ]  # fmt: skip
+    assert (
+        f'<tr><td>op1 {EVIL_ESCAPED}</td><td class="num">6</td><td class="num">91.2</td><td class="num">50.0</td>'
+        '<td class="num">91.5</td></tr><tr><td>aten::mm</td><td class="num">12</td><td class="num">0.125</td>'
+        '<td class="num">0.1</td><td class="num">0.250</td></tr>'
+    ) in section
+    assert "<script" not in section
+
+
+def test_trace_section_without_a_late_rank_lists_the_first_cpu_ranks_operators():
+    section = section_of(render_html(gloo_job(late=False)), "trace")
+    assert "Late rank" not in section and "<h3>Top operators, rank 0 (CPU-only trace)</h3>" in section
+    gpu = section_of(render_html(multi_rank_summary()), "trace")
+    assert "Late rank" not in gpu and "Top operators" not in gpu, "GPU traces list their kernels"
 
 
 def test_the_pipeline_fixture_has_the_monitors_layout():

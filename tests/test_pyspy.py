@@ -12,8 +12,8 @@ import dataclasses
 import json
 import os
 import shutil
-import site
 import signal
+import site
 import stat
 import subprocess
 import sys

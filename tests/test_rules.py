@@ -828,6 +828,87 @@ def threads_within_fractional_quota() -> Case:
     return Case(with_facts(healthy(world_size=1), threads=threads_fact(torch_threads=2, cpu_quota=1.5)))
 
 
+def hot_row(code: str, calls: str | None, share: float = 0.5, samples: int = 50, **extra: Any) -> dict[str, Any]:
+    """A stack-sampler hotspot row at train.py:42 taking ``share`` of its phase's samples."""
+    row = {"file": "train.py", "line": 42, "function": "main", "code": code, "calls": calls, "share": share}
+    return {**row, "samples": samples, "ms_per_step": 40.0, **extra}
+
+
+def hot_case(rows: dict[str, list[dict[str, Any]]], phases: dict[str, float] | None = None) -> Case:
+    summary = cpu_summary(phases or {"forward": 0.1, "backward": 0.1, "other": 0.8})
+    summary.hotspots = {"rate_hz": 100.0, "samples": 1000, "phases": rows}
+    return Case(summary)
+
+
+SAVE_LINE = "train.py:42 torch.save(state, path) [torch.serialization.save]"
+SCALAR = "torch.utils.tensorboard.writer.SummaryWriter.add_scalar"
+
+
+def hot_evidence(phase: str, line: str, of_phase: int, of_step: int) -> str:
+    return f"{phase}: {line} is {of_phase}% of {phase}, {of_step}% of the step (40.0 ms per step, 50 stack samples)"
+
+
+@positive("host.checkpoint_every_step", 0.4, hot_evidence("other", SAVE_LINE, 50, 40))
+def torch_save_in_other() -> Case:
+    return hot_case({"other": [hot_row("torch.save(state, path)", "torch.serialization.save")]})
+
+
+@positive("host.checkpoint_every_step", 0.4, hot_evidence("other", "train.py:42 time.sleep(0.02)", 50, 40))
+def save_function_in_other() -> Case:
+    return hot_case({"other": [hot_row("time.sleep(0.02)", None, function="save_checkpoint")]})
+
+
+@negative("host.checkpoint_every_step")
+def small_save() -> Case:  # 5% of a 80% other: 4% of the step
+    return hot_case({"other": [hot_row("torch.save(state, path)", "torch.serialization.save", share=0.05)]})
+
+
+@negative("host.checkpoint_every_step")
+def save_seen_in_few_samples() -> Case:
+    return hot_case({"other": [hot_row("torch.save(state, path)", "torch.serialization.save", samples=3)]})
+
+
+@positive(
+    "host.log_every_step",
+    0.4,
+    hot_evidence("other", "train.py:42 print(f'loss {loss}') [torch._tensor.Tensor.__format__]", 50, 40),
+)
+def print_in_other() -> Case:
+    return hot_case({"other": [hot_row("print(f'loss {loss}')", "torch._tensor.Tensor.__format__")]})
+
+
+@positive(
+    "host.log_every_step",
+    0.4,
+    hot_evidence("other", f"train.py:42 writer.add_scalar('loss', loss, step) [{SCALAR}]", 50, 40),
+)
+def tensorboard_in_other() -> Case:
+    row = hot_row("writer.add_scalar('loss', loss, step)", SCALAR)
+    return hot_case({"other": [row]})
+
+
+@negative("host.log_every_step")
+def print_in_forward() -> Case:  # a print inside the model is forward time: not what this rule reads
+    return hot_case({"forward": [hot_row("print(x.shape)", None)]})
+
+
+@negative("host.data_in_loop")
+def dataset_code_in_main_process() -> Case:  # a Dataset in the training process: loader.num_workers says it
+    row = hot_row("img = rotate(img)", "scipy.ndimage.rotate", function="Images.__getitem__", in_loader=True)
+    return hot_case({"data_wait": [row]}, {"data_wait": 0.6, "forward": 0.2, "other": 0.2})
+
+
+@positive("host.data_in_loop", 0.4, hot_evidence("other", "train.py:42 batch = augment(batch)", 50, 40))
+def augmentation_in_loop() -> Case:
+    return hot_case({"other": [hot_row("batch = augment(batch)", None, function="augment")]})
+
+
+@negative("host.data_in_loop")
+def waiting_on_workers() -> Case:  # the loop's `for` line blocked on worker processes: no data code of the user's
+    row = hot_row("for x, y in loader:", "torch.utils.data.dataloader._BaseDataLoaderIter.__next__")
+    return hot_case({"data_wait": [row]}, {"data_wait": 0.6, "forward": 0.2, "other": 0.2})
+
+
 def ddp_model(**ddp: Any) -> dict[str, Any]:
     fact = model_fact()
     fact["ddp"].update(ddp)
@@ -968,6 +1049,36 @@ def little_warmup_steady_steps() -> Case:
     return Case(healthy(warmup=1, stats={"total": {"p95_ms": 290.0}}))
 
 
+def eval_case(share_of_wall: float) -> Case:
+    summary = make_summary({"forward": 0.9, "other": 0.1}, measured=40)
+    summary.eval = {
+        "passes": 4,
+        "time_s": 1.0,
+        "share_of_wall": share_of_wall,
+        "mean_ms": 250.0,
+        "median_ms": 250.0,
+        "max_ms": 260.0,
+        "phases_ms": {"forward": 245.0, "other": 5.0},
+        "forwards_per_pass": 30.0,
+        "batches_per_pass": 30.0,
+    }
+    return Case(summary)
+
+
+@positive(
+    "eval.frequency",
+    0.74,
+    "4 validation pass(es) of 250.0 ms (mean) took 74% of wall time, one every 10 training steps",
+)
+def validation_most_of_the_time() -> Case:
+    return eval_case(0.74)
+
+
+@negative("eval.frequency")
+def validation_now_and_then() -> Case:  # 5% of wall time: not worth trading validation away
+    return eval_case(0.05)
+
+
 def _label(entry: tuple) -> str:
     return f"{entry[0]}:{entry[1].__name__}"
 
@@ -997,6 +1108,12 @@ def test_rule_fires_on_its_fixture(rule_id: str, build: Builder, gain: float | N
     assert fix.gain_reason  # a bound, or why there is none
 
 
+def test_the_validation_fix_is_a_share_of_wall_time_not_of_the_step():
+    (fix,) = [f for f in diagnose(validation_most_of_the_time())[0] if f.id == "eval.frequency"]
+    assert (fix.gain_basis, fix.cost) == ("wall", "config")
+    assert fix.evidence[1] == "a pass runs 30 forward(s) over 30 batch(es)"
+
+
 @pytest.mark.parametrize(("rule_id", "build"), NEGATIVE, ids=[_label(n) for n in NEGATIVE])
 def test_rule_is_silent_on_a_near_miss(rule_id: str, build: Builder):
     assert rule_id not in fired(build())
@@ -1021,6 +1138,10 @@ SUMMARY_RULES = {
     "host.sync",
     "host.launch_bound",
     "hygiene.warmup",
+    "host.checkpoint_every_step",  # these three read the summary's hotspots
+    "host.log_every_step",
+    "host.data_in_loop",
+    "eval.frequency",  # reads the summary's validation passes
 }
 
 

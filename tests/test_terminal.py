@@ -189,3 +189,24 @@ def test_pipeline_and_trace_highlights_get_their_lines():
     assert "trace: rank 1: ATen ops 61.2% of the main thread (CPU-only trace) · bound compute" in text
     assert "trace verdict: host (the GPU waited for the host 79.8% of the time)" in text
     assert "trace:" not in render(host_summary()) and "pipeline:" not in render(host_summary())
+
+
+def test_trace_highlights_name_the_late_rank_and_its_cause():
+    summary = host_summary()
+    late = {
+        "job": "[red]node1[/red]", "rank": 1, "cause": "host", "collectives": 8, "last_at": 8, "late_ms": 20.5,
+        "waited_ms": 19.75, "wait_share_pct": 92.4, "wait_pct": 48.0, "cause_ms": 21.0, "others_cause_ms": 0.5,
+        "unit": "per step",
+    }  # fmt: skip
+    ranks = [{"rank": r, "cpu": {"computation_pct": 3.0}, "verdict": {"bound": "unknown"}} for r in (0, 1)]
+    summary.trace = {"ranks": ranks, "verdict": {"bound": "host", "evidence": ["rank 1 starts 8 of 8 last"]},
+                     "late_ranks": [late]}  # fmt: skip
+    text = " ".join(render(summary).split())  # the console may wrap the line
+    assert (
+        "trace verdict: host (rank 1 starts 8 of 8 last) trace late rank: in [red]node1[/red], rank 1 arrives last "
+        "at 8 of 8 collectives in the traces, on average 20.50 ms after the others; they wait 19.75 ms per step for "
+        "it (92% of their communication time), while it spends 21.00 ms per step on host work (Python, launches, "
+        "waits) against their 0.50 ms"
+    ) in text, "printed as it is (no console markup), after the trace's verdict"
+    summary.trace = {**summary.trace, "late_ranks": []}
+    assert "late rank" not in render(summary)

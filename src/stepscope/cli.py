@@ -174,6 +174,10 @@ def _attach_trace(args: argparse.Namespace, summary: RunSummary, since: float | 
     from stepscope.analyses.trace.highlights import trace_highlights
 
     summary.trace, note = trace_highlights(args.trace, since=since)
+    if summary.trace:
+        from stepscope.doctor.verdict import classify
+
+        summary.verdict = classify(summary)  # the traces are evidence too (a late rank, say)
     if note:
         summary.notes.append(note)
         if since is None:

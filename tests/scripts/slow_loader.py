@@ -1,4 +1,6 @@
-"""A training loop starved by its Dataset: every sample sleeps --sample-ms milliseconds in __getitem__."""
+"""A training loop starved by its Dataset: every sample sleeps --sample-ms milliseconds in __getitem__.
+
+--accum N accumulates gradients over N micro-batches per optimizer step."""
 
 import argparse
 import time
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--num-samples", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=1000)
+    parser.add_argument("--accum", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -45,12 +48,15 @@ def main() -> None:
     )
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    micro = 0
     for _ in range(args.epochs):
         for x, y in loader:
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y) / args.accum
             loss.backward()
-            optimizer.step()
+            micro += 1
+            if micro % args.accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
     print("slow_loader: done")
 
 

@@ -14,17 +14,22 @@ docs/fixes.md is generated from this catalogue (``python -m stepscope.doctor.rul
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from stepscope.analyses.loader import WAITING_WORKERS_CPU
-from stepscope.doctor.facts import cores_of, oversubscribed_threads, ranks_per_machine
+from stepscope.collectors.stacks import describe_line
+from stepscope.doctor.facts import cores_of, ranks_per_machine, threads_for_workers
 from stepscope.doctor.lint import LintHit
-from stepscope.doctor.verdict import group_shares
+from stepscope.doctor.verdict import EXPLAINS, attributed_straggler, group_shares, rank_summary
 from stepscope.record import TOTAL
-from stepscope.summary import COSTS, Fix, RunSummary
+from stepscope.summary import COSTS, Fix, RunSummary, Straggler
 
 # Thresholds, as fractions of the measured step unless said otherwise.
 MIN_DATA_SHARE = 0.05  # data_wait below this: loader fixes cannot gain enough to be worth listing
@@ -48,6 +53,7 @@ class Finding:
     gain_bound: float | None
     gain_reason: str = ""
     how: str | None = None  # replaces the rule's generic ``how`` when the facts give the exact change
+    basis: str = "step"  # what gain_bound is a share of: step time, or "wall" time outside the steps
 
 
 @dataclass
@@ -114,6 +120,16 @@ class Case:
     def signals(self) -> dict[str, str]:
         return {s["id"]: s.get("evidence", "") for s in self.summary.system.get("signals", [])}
 
+    def loader_workers(self) -> int:
+        """Loader worker processes per rank: the most of any loader iterated (one loads at a time)."""
+        return max((x.num_workers for x in self.summary.loaders if x.batches > 0), default=0)
+
+    def busy_workers(self) -> int:
+        """Loader workers that used CPU, on average over the samples (rounded up: each is a core while it loads);
+        0 when the workers' CPU was not sampled, so that an unmeasured worker never counts against the cores."""
+        busy = self.summary.system.get("host", {}).get("workers_busy_avg")
+        return 0 if not busy else min(math.ceil(busy - 0.05), self.loader_workers() or math.ceil(busy))
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -129,6 +145,10 @@ class Rule:
 
 
 CATALOGUE: list[Rule] = []
+# Fixes whose problem distorts the shares the other fixes' bounds rest on (intra-op threads fighting the loader
+# workers for the cores inflate every CPU phase and slow the loader): ranked first within their cost, whatever their
+# bound, since the other bounds mean little until it is gone.
+FIRST = {"host.threads"}
 
 
 def rule(
@@ -174,6 +194,8 @@ def _loader_workers(case: Case) -> Finding | None:
     if not loaders or not case.measured or data < MIN_DATA_SHARE:
         return None
     cores, local = case.cores(), case.local_ranks()
+    if cores and case.loader_workers() * local >= cores:
+        return None  # another loader's workers already fill the cores: more workers would only time-share them
     hint = None
     if cores:
         workers = max(1, min(8, int(cores // local) - 1))
@@ -283,7 +305,9 @@ def _prefetch(case: Case) -> Finding | None:
         f"data_wait median {stats.median_ms:.2f} ms but mean {stats.mean_ms:.1f} ms and p95 {stats.p95_ms:.1f} ms",
         f"loader {loaders[0].index}: {loaders[0].num_workers} workers, prefetch_factor={factor}",
     ]
-    how = f"DataLoader(..., prefetch_factor={max(4, 2 * factor)}) or more workers"
+    cores = case.cores()
+    full = cores is not None and loaders[0].num_workers * case.local_ranks() >= cores  # no core for another worker
+    how = f"DataLoader(..., prefetch_factor={max(4, 2 * factor)})" + ("" if full else " or more workers")
     return Finding(evidence, data, "at most the time spent waiting for data", how=how)
 
 
@@ -303,13 +327,17 @@ def _too_many_workers(case: Case) -> Finding | None:
     busy = [x for x in case.summary.loaders if x.num_workers * world > cores]
     host = case.summary.system.get("host", {})
     workers_cpu, workers = host.get("workers_cpu_util_pct"), host.get("workers_max")
-    if workers_cpu is not None and workers and workers_cpu < WAITING_WORKERS_CPU * 100 * workers:
-        return None  # the workers mostly wait (I/O): more of them than cores is how to overlap the waits
+    runnable = None if workers_cpu is None else workers_cpu + (host.get("run_delay_workers_pct") or 0.0)
+    if runnable is not None and workers and runnable < WAITING_WORKERS_CPU * 100 * workers:
+        return None  # the workers mostly wait (I/O), not for a CPU: more of them than cores overlaps the waits
     if not busy:
         return None
     loader = busy[0]
     limit = "cgroup quota" if threads.get("cpu_quota") else "usable cores"
     evidence = [f"loader {loader.index}: {loader.num_workers} workers × {world} rank(s) for {cores:g} {limit}"]
+    contention = case.signals().get("cpu_contention")
+    if contention:
+        evidence.append(contention)
     return Finding(evidence, None, "oversubscription costs depend on the scheduler: not measurable from shares")
 
 
@@ -733,25 +761,130 @@ def _launch_bound(case: Case) -> Finding | None:
 @rule(
     "host.threads",
     "Use no more CPU threads than cores",
-    "More intra-op threads than the cores this process may use (cgroup quota, affinity) make the threads "
-    "preempt each other: CPU ops get slower, not faster.",
-    "torch.set_num_threads(N) or OMP_NUM_THREADS=N with N ≤ usable cores ÷ ranks per machine",
+    "More intra-op threads than the cores this process may use (cgroup quota, affinity), counting the DataLoader "
+    "worker processes that share those cores, make the threads preempt each other: CPU ops get slower, not faster, "
+    "and the workers load more slowly.",
+    "torch.set_num_threads(N) or OMP_NUM_THREADS=N with N ≤ usable cores ÷ ranks per machine − loader workers "
+    "(at least 1)",
     "config",
 )
 def _threads(case: Case) -> Finding | None:
     threads = case.facts.get("threads")
-    if not threads or oversubscribed_threads(case.facts) is None:
+    workers = case.busy_workers()
+    crowded = threads_for_workers(case.facts, workers) if threads else None
+    if not threads or crowded is None:
         return None
+    torch_threads, fit, cores = crowded
     quota = threads.get("cpu_quota")
-    limit = case.cores() or 1
     local = case.local_ranks()
-    what = f"cgroup quota of {quota:g} cores" if quota else f"{limit} usable cores"
-    evidence = [f"{threads['torch_threads']} torch threads × {local} rank(s) for a {what}"]
+    what = f"cgroup quota of {quota:g} cores" if quota else f"{cores:g} usable cores"
+    evidence = [f"{torch_threads} torch threads × {local} rank(s) for a {what}"]
+    if workers:
+        evidence.append(f"beside {workers} busy loader worker process(es) per rank, each a core while it loads")
     env = threads.get("env", {})
     if env:
         evidence.append("set in the environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
-    how = f"torch.set_num_threads({max(1, int(limit // local))}) (or OMP_NUM_THREADS)"
-    return Finding(evidence, None, "oversubscription costs depend on the scheduler", how=how)
+    contention = case.signals().get("cpu_contention")
+    if contention:
+        evidence.append(contention)
+    how = f"torch.set_num_threads({fit}) (or OMP_NUM_THREADS)"
+    why = "oversubscription costs depend on the scheduler; ranked first: every CPU phase's share is inflated by it"
+    return Finding(evidence, None, why, how=how)
+
+
+# -- host time by source line (RunSummary.hotspots, from the stack sampler) ---------------------------------------
+
+MIN_HOT_SAMPLES = 5  # stack samples on a line before a rule trusts it
+MIN_HOT_SHARE = 0.05  # of the step: a line below this is not worth a code change
+_SAVE = re.compile(r"^_?save(_\w+)?$|_save$")  # torch.save, save_checkpoint, save_file, trainer.save
+_LOG_MODULES = ("logging.", "tqdm.", "wandb.", "mlflow.", "tensorboardX.", "torch.utils.tensorboard.", "aim.")
+_LOG_CODE = re.compile(
+    r"\bprint\(|\bsys\.std(out|err)\.write\(|\.add_(scalar|scalars|histogram|image|text)\(|\bwandb\.log\(|"
+    r"\b(log|logger|logging|LOG|LOGGER)\.(debug|info|warning|error|critical|exception|log)\(|\btqdm\.write\("
+)
+_DATA = re.compile(r"collate|transform|augment|preprocess|tokeni[sz]e|decode|__getitem__|load_(image|sample|item)")
+_DATA_MODULES = ("torchvision.transforms.", "PIL.", "cv2.", "albumentations.", "torchaudio.transforms.")
+
+
+def _last(name: str | None) -> str:
+    return (name or "").rsplit(".", 1)[-1]
+
+
+Match = Callable[[dict[str, Any]], bool]
+
+
+def _hot_lines(case: Case, matches: dict[str, Match]) -> Finding | None:
+    """A finding from the sampled lines that ``matches[phase]`` accepts, when together they take at least
+    MIN_HOT_SHARE of the step; its bound is their share of the step (host time)."""
+    found: list[tuple[str, dict[str, Any], float]] = []
+    for phase, match in matches.items():
+        stats = case.summary.phases.get(phase)
+        if stats is None or stats.nested or not case.measured:
+            continue
+        for row in case.summary.hotspots.get("phases", {}).get(phase, []):
+            if row.get("samples", 0) >= MIN_HOT_SAMPLES and match(row):
+                found.append((phase, row, row["share"] * stats.share))
+    share = sum(step_share for _, _, step_share in found)
+    if share < MIN_HOT_SHARE:
+        return None
+    found.sort(key=lambda item: -item[2])
+    evidence = [
+        f"{phase}: {describe_line(row)} is {pct(row['share'])} of {phase}, {pct(step_share)} of the step "
+        f"({row['ms_per_step']:.1f} ms per step, {row['samples']} stack samples)"
+        for phase, row, step_share in found[:3]
+    ]
+    return Finding(evidence, share, "at most the step time the sampled lines took")
+
+
+@rule(
+    "host.checkpoint_every_step",
+    "Save checkpoints less often, or asynchronously",
+    "Serialising the model and writing it out blocks the training loop for as long as the write takes; done every "
+    "step, that time is added to every step.",
+    "save every N steps or minutes (if step % N == 0), or in the background (torch.distributed.checkpoint.async_save, "
+    "or a thread writing a copy of the state_dict)",
+    "code",
+)
+def _checkpoint_every_step(case: Case) -> Finding | None:
+    def saves(row: dict[str, Any]) -> bool:
+        return bool(_SAVE.search(_last(row.get("calls"))) or _SAVE.search(_last(row.get("function"))))
+
+    return _hot_lines(case, {"other": saves})
+
+
+@rule(
+    "host.log_every_step",
+    "Log every N steps, not every step",
+    "Formatting and writing metrics (print, logging, progress bars, TensorBoard/W&B scalars) runs in the training "
+    "loop between steps; done every step, its host time is added to every step (and reading a CUDA tensor to log "
+    "it waits for the GPU).",
+    "log every N steps (if step % N == 0), accumulating the values in between",
+    "code",
+)
+def _log_every_step(case: Case) -> Finding | None:
+    def logs(row: dict[str, Any]) -> bool:
+        calls = row.get("calls") or ""
+        return calls.startswith(_LOG_MODULES) or bool(_LOG_CODE.search(row.get("code") or ""))
+
+    return _hot_lines(case, {"other": logs, "sync": logs})
+
+
+@rule(
+    "host.data_in_loop",
+    "Move Python data work into the Dataset and the DataLoader workers",
+    "Data preparation written in the training loop runs on the training thread between steps instead of beside "
+    "them in worker processes. (A Dataset run by a DataLoader without workers is loader.num_workers' to fix.)",
+    "do it in Dataset.__getitem__ or collate_fn and load with DataLoader(..., num_workers=N)",
+    "code",
+)
+def _data_in_loop(case: Case) -> Finding | None:
+    def in_loop(row: dict[str, Any]) -> bool:
+        calls = row.get("calls") or ""
+        return bool(_DATA.search(row.get("function") or "") or _DATA.search(_last(calls))) or calls.startswith(
+            _DATA_MODULES
+        )
+
+    return _hot_lines(case, {"other": in_loop})
 
 
 # -- distributed and optimizer ---------------------------------------------------------------------------------
@@ -882,6 +1015,33 @@ def _foreach(case: Case) -> Finding | None:
     return Finding(evidence, share, "at most the optimizer step's time", how=how)
 
 
+# -- validation passes (RunSummary.eval: kept out of the step) ---------------------------------------------------
+
+MIN_EVAL_SHARE = 0.10  # validation below this share of wall time is not worth trading away
+
+
+@rule(
+    "eval.frequency",
+    "Validate less often, or on a subset",
+    "Validation passes between training steps take wall time in which nothing trains; they are kept out of the step "
+    "figures, so no step-time fix shortens them.",
+    "run the validation loop every N× more steps, or on a fixed subset of the validation set (and without "
+    "gradients: torch.no_grad()/inference_mode())",
+    "config",
+)
+def _eval_frequency(case: Case) -> Finding | None:
+    passes = case.summary.eval
+    if not passes or passes["share_of_wall"] < MIN_EVAL_SHARE:
+        return None
+    per_steps = case.summary.steps.measured / passes["passes"]
+    evidence = [
+        f"{passes['passes']} validation pass(es) of {passes['mean_ms']:.1f} ms (mean) took "
+        f"{pct(passes['share_of_wall'])} of wall time, one every {per_steps:.0f} training steps",
+        f"a pass runs {passes['forwards_per_pass']:.0f} forward(s) over {passes['batches_per_pass']:.0f} batch(es)",
+    ]
+    return Finding(evidence, passes["share_of_wall"], "at most the wall time the validation passes took", basis="wall")
+
+
 # -- measurement hygiene ---------------------------------------------------------------------------------------
 
 
@@ -929,8 +1089,70 @@ def _warmup(case: Case) -> Finding | None:
 
 
 def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
-    """Every fix whose rule applies, ranked: cheapest cost first, then the largest gain bound (unbounded last).
-    Returns the fixes and a note for each rule that failed on unexpected facts (the others still run)."""
+    """Every fix whose rule applies, ranked: cheapest cost first; within a cost, fixes whose problem distorts the
+    other measurements (``FIRST``), then the largest gain bound (unbounded last).
+    Returns the fixes and a note for each rule that failed on unexpected facts (the others still run). For a
+    multi-rank job whose ranks wait for one straggler, the fixes and their bounds are the job's (``job_fixes``)."""
+    fixes, notes = findings(case)
+    straggler = attributed_straggler(case.summary)
+    if straggler is not None:
+        fixes, more = job_fixes(case, straggler, fixes)
+        notes += more
+    fixes.sort(key=lambda f: (COSTS.index(f.cost), f.id not in FIRST, f.gain_bound is None, -(f.gain_bound or 0.0)))
+    return fixes, notes
+
+
+def _saved_ms(fix: Fix, summary: RunSummary) -> float | None:
+    """What a fix can save per step on the summary it was found on (ms), from its gain bound."""
+    return None if fix.gain_bound is None else fix.gain_bound * summary.phases[TOTAL].mean_ms
+
+
+def job_fixes(case: Case, straggler: Straggler, job_wide: list[Fix]) -> tuple[list[Fix], list[str]]:
+    """The fixes of a job whose ranks wait for ``straggler``, bounded by the job's step time.
+
+    The job's step is the straggler's (the others wait for it), so a fix gains the job only what it saves on the
+    straggler's step: the rules run on that rank's own summary, loaders and facts. A fix that saves the straggler
+    more than it saves the median other rank, by at least ``EXPLAINS`` of the straggler's excess, is aimed at
+    the cause and gains the job at most that excess (then another rank sets the pace). A fix found only in the
+    job-wide view (``job_wide``), not on the straggler, has no bound on the job's gain."""
+    summary = case.summary
+    rank, phase, excess_ms = straggler.rank, straggler.phase, straggler.excess_ms
+    job_ms = summary.phases[TOTAL].mean_ms
+    slow = rank_summary(summary, rank)
+    if slow is None or TOTAL not in slow.phases or job_ms <= 0:
+        return job_wide, []
+    slow_fixes, notes = findings(Case(slow, case.lint))
+    others = [r for r in summary.ranks if r is not slow and TOTAL in r.phases]
+    saved_elsewhere = [{f.id: _saved_ms(f, r) or 0.0 for f in findings(Case(r, case.lint))[0]} for r in others]
+    fixes = []
+    for fix in slow_fixes:
+        evidence = [f"rank {rank}: {line}" for line in fix.evidence]
+        saved = _saved_ms(fix, slow)
+        if saved is None or fix.gain_basis != "step":  # unbounded, or a share of wall time: no step to compare
+            fixes.append(dataclasses.replace(fix, evidence=evidence))
+            continue
+        elsewhere = statistics.median(s.get(fix.id, 0.0) for s in saved_elsewhere) if saved_elsewhere else 0.0
+        if saved - elsewhere >= EXPLAINS * excess_ms:
+            gain_ms = min(saved, excess_ms)
+            evidence.append(
+                f"the other ranks wait for rank {rank}'s {phase}: fixing it saves the job at most its "
+                f"{excess_ms:.1f} ms excess ({pct(excess_ms / job_ms)} of the {job_ms:.1f} ms job step)"
+            )
+            reason = f"at most rank {rank}'s excess in {phase}, which the other ranks wait for"
+        else:
+            gain_ms = saved
+            reason = f"{fix.gain_reason}, on rank {rank}, whose step the other ranks wait for"
+        bound = round(max(0.0, min(1.0, gain_ms / job_ms)), 4)
+        fixes.append(dataclasses.replace(fix, evidence=evidence, gain_bound=bound, gain_reason=reason))
+    found = {f.id for f in fixes}
+    reason = f"not found on rank {rank}, whose step the other ranks wait for: no bound on what it gains the job"
+    fixes += [dataclasses.replace(f, gain_bound=None, gain_reason=reason) for f in job_wide if f.id not in found]
+    return fixes, [f"rank {rank}: {note}" for note in notes]
+
+
+def findings(case: Case) -> tuple[list[Fix], list[str]]:
+    """Every fix whose rule applies to ``case`` (unranked), bounded on its own summary's step, and a note for each
+    rule that failed on unexpected facts."""
     fixes: list[Fix] = []
     notes: list[str] = []
     for entry in CATALOGUE:
@@ -953,9 +1175,9 @@ def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
                 gain_bound=bound,
                 gain_reason=finding.gain_reason,
                 changes_numerics=entry.changes_numerics,
+                gain_basis=finding.basis,
             )
         )
-    fixes.sort(key=lambda f: (COSTS.index(f.cost), f.gain_bound is None, -(f.gain_bound or 0.0)))
     return fixes, notes
 
 

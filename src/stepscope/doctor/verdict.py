@@ -12,20 +12,30 @@ and host is the time the GPU was given nothing to do that was not spent waiting 
 The shares are then checked against what else was measured (``refine``): allocator retries make the verdict
 ``memory``; GPU utilisation that reads high while the SM clock or power is low turns ``compute`` into ``host``
 (a trickle of tiny kernels); the loader workers' CPU says whether a data-bound step is transform- or IO-bound.
+When this job's threads waited for CPUs (the ``cpu_contention`` signal), the verdict says so first, with the
+figures, and its confidence drops one step: the shares were measured on an oversubscribed machine.
+
+A job's verdict is the job's (``job_verdict``): when one rank's excess in a phase explains the time the other
+ranks wait in collectives (their ``comms``), the bound is that phase's group on that rank, whatever the average
+rank's shares say: the waiting ranks only wait for it.
 """
 
 from __future__ import annotations
 
+from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import oversubscribed_threads
 from stepscope.record import GROUPS, TOTAL
-from stepscope.summary import PhaseStats, RunSummary, Verdict
+from stepscope.summary import PhaseStats, RunSummary, Straggler, Verdict
 
 MIN_STEPS = 3
 MIN_SHARE = 0.40
 HIGH_SHARE = 0.60
 EXPLAINED = 1.25  # ceiling/training ratio up to 1.25x of 1/data_share: the loader's speed explains the wait
 UNEXPLAINED = 1.5  # above 1.5x of it, while waiting for data: something else slows the loader inside training
+TOP_LINE_SHARE = 0.10  # of a host phase's stack samples: a line named in the host verdict's evidence
 MIN_RETRY_RATE = 0.05  # allocator retries per measured step from which memory pressure is the verdict
+EXPLAINS = 0.5  # the waiting ranks' comms beyond the straggler's own covers this much of its excess: they wait for it
+EXPLAINS_HIGH = 0.8  # ... and this much, with an excess of at least MIN_SHARE of the step: high confidence
 
 
 def _host_share(phases: dict[str, PhaseStats], name: str) -> float:
@@ -48,8 +58,10 @@ def group_shares(summary: RunSummary) -> dict[str, float]:
         return shares
     compute = sum(_device_share(phases, p) for p in GROUPS["compute"])
     optimizer = sum(_device_share(phases, p) for p in GROUPS["optimizer"])
+    comms = sum(_device_share(phases, p) for p in GROUPS["comms"])  # the compute stream waiting for collectives
     gpu_busy = sum(_device_share(phases, name) for name in phases if name != TOTAL and name not in GROUPS["data"])
-    return {"data": data, "compute": compute, "optimizer": optimizer, "host": max(0.0, 1.0 - gpu_busy - data)}
+    host = max(0.0, 1.0 - gpu_busy - data)
+    return {"data": data, "compute": compute, "comms": comms, "optimizer": optimizer, "host": host}
 
 
 def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
@@ -71,8 +83,20 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
     syncs = summary.counters.get("host_syncs", 0.0)
     if group == "host" and syncs >= 1:
         lines.append(f"{syncs:.1f} host-device syncs per step")
+    if group == "host":
+        lines += _top_lines(summary)
     if not lines:
         lines.append(f"{group} phases together are {100 * share:.0f}% of the step")
+    return lines
+
+
+def _top_lines(summary: RunSummary) -> list[str]:
+    """The source line that took most of ``other`` and of ``sync`` (the stack sampler's hotspots), when one took
+    at least TOP_LINE_SHARE of its phase."""
+    lines = []
+    for phase, rows in summary.hotspots.get("phases", {}).items():
+        if phase in GROUPS["host"] and rows and rows[0]["share"] >= TOP_LINE_SHARE:
+            lines.append(f"top line in {phase}: {describe_line(rows[0])} ({100 * rows[0]['share']:.0f}% of {phase})")
     return lines
 
 
@@ -90,8 +114,68 @@ def pipeline_verdict(summary: RunSummary) -> Verdict | None:
 
 def classify(summary: RunSummary) -> Verdict:
     """The bound, confidence and evidence for a summary: the pipeline's bound when a PipelineMonitor found one
-    side starving the other, else the phases' (see the module docstring for the rules)."""
-    return pipeline_verdict(summary) or classify_phases(summary)
+    side starving the other, else the phases'; for a multi-rank job whose ranks wait for one of them, that rank's
+    (see the module docstring for the rules)."""
+    verdict = pipeline_verdict(summary) or classify_phases(summary)
+    if verdict.bound not in ("memory", "unknown", "inference", "training"):
+        # allocator retries stall every rank; too few steps say nothing of ranks either
+        verdict = job_verdict(summary) or verdict
+    if verdict.bound != "unknown" and contention_line(summary) is not None:
+        return _contended(summary, verdict)  # whatever decided it, the shares were measured on a busy machine
+    return verdict
+
+
+def phase_group(phase: str) -> str | None:
+    """The verdict group a phase belongs to (None for a custom phase)."""
+    return next((group for group, names in GROUPS.items() if phase in names), None)
+
+
+def rank_summary(summary: RunSummary, rank: int) -> RunSummary | None:
+    """Rank ``rank``'s own summary inside a merged one."""
+    return next((r for r in summary.ranks if (r.meta.rank or 0) == rank), None)
+
+
+def attributed_straggler(summary: RunSummary) -> Straggler | None:
+    """The straggler of a merged summary when its excess explains the other ranks' waits in collectives: their
+    comms time beyond the straggler's own is at least ``EXPLAINS`` of its excess. None otherwise (even ranks, a
+    straggler nobody is seen waiting for, a custom phase, or a summary without its ranks)."""
+    straggler = summary.cluster.straggler if summary.cluster else None
+    if straggler is None or straggler.wait_ms is None or TOTAL not in summary.phases:
+        return None
+    if phase_group(straggler.phase) in (None, "comms") or rank_summary(summary, straggler.rank) is None:
+        return None
+    waited = straggler.wait_ms - (straggler.own_comms_ms or 0.0)
+    return straggler if straggler.excess_ms > 0 and waited >= EXPLAINS * straggler.excess_ms else None
+
+
+def job_verdict(summary: RunSummary) -> Verdict | None:
+    """The verdict of a job whose ranks wait for one straggler: the group of the straggler's slow phase, citing
+    both sides (its excess, the others' comms), then what the straggler's own phases say. None when no straggler
+    explains the waits."""
+    straggler = attributed_straggler(summary)
+    if straggler is None:
+        return None
+    group = phase_group(straggler.phase)
+    assert group is not None and straggler.wait_ms is not None  # attributed_straggler checked both
+    step_ms = summary.phases[TOTAL].mean_ms
+    share = straggler.excess_ms / step_ms if step_ms > 0 else 0.0
+    waiting = straggler.waiting_ranks
+    who = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
+    median = "" if len(waiting) == 1 else " (median)"
+    own = "" if not straggler.own_comms_ms else f", against {straggler.own_comms_ms:.1f} ms on rank {straggler.rank}"
+    evidence = [
+        f"rank {straggler.rank}'s {straggler.phase} is {straggler.excess_ms:.1f} ms above the other ranks' median "
+        f"({100 * share:.0f}% of the {step_ms:.1f} ms job step)",
+        f"{who} {straggler.wait_ms:.1f} ms per step{median} in comms for it{own}",
+    ]
+    slow = rank_summary(summary, straggler.rank)
+    assert slow is not None
+    rank_verdict = classify_phases(slow)
+    if rank_verdict.bound == group:
+        evidence += [f"rank {straggler.rank}: {line}" for line in rank_verdict.evidence]
+    waited = straggler.wait_ms - (straggler.own_comms_ms or 0.0)
+    strong = waited >= EXPLAINS_HIGH * straggler.excess_ms and share >= MIN_SHARE
+    return Verdict(group, "high" if strong else "medium", evidence)
 
 
 def classify_phases(summary: RunSummary) -> Verdict:
@@ -171,4 +255,53 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
             f"rank {straggler.rank} is the straggler: its {straggler.phase} is {straggler.excess_ms:.1f} ms above "
             "the median of the other ranks"
         )
+    extra += late_rank_lines(summary.trace)
     return Verdict(verdict.bound, verdict.confidence, verdict.evidence + extra)
+
+
+LATE_CAUSES = {"data": "data loading", "compute": "compute", "host": "host work (Python, launches, waits)"}
+
+
+def late_rank_lines(trace: dict) -> list[str]:
+    """What a run's traces say of the rank the others wait for at their collectives (``trace["late_ranks"]``: the
+    trace highlights' late ranks, figures in ms): a sentence per late rank with its cause, [] when they name none."""
+    lines = []
+    for late in trace.get("late_ranks") or []:
+        unit, cause = late.get("unit", "per step"), late.get("cause", "")
+        job = "" if late.get("job") in (None, "", ".") else f"in {late['job']}, "
+        lines.append(
+            f"{job}rank {late['rank']} arrives last at {late['last_at']} of {late['collectives']} collectives in the "
+            f"traces, on average {late['late_ms']:.2f} ms after the others; they wait {late['waited_ms']:.2f} ms "
+            f"{unit} for it ({late['wait_share_pct']:.0f}% of their communication time), while it spends "
+            f"{late['cause_ms']:.2f} ms {unit} on {LATE_CAUSES.get(cause, cause)} against their "
+            f"{late['others_cause_ms']:.2f} ms"
+        )
+    return lines
+
+
+LOWER = {"high": "medium", "medium": "low", "low": "low"}
+OVERSUBSCRIBED = "the machine is oversubscribed: "  # how the contention line starts (reports pick it out by it)
+CPU_BOUNDS = ("compute", "optimizer", "host")  # groups timed on the host clock that waiting for a CPU inflates
+
+
+def contention_line(summary: RunSummary) -> str | None:
+    """The line "the machine is oversubscribed: …" with the measured run delay, when the cpu_contention signal is
+    there; None otherwise."""
+    signal = next((s for s in summary.system.get("signals", []) if s.get("id") == "cpu_contention"), None)
+    return None if signal is None else OVERSUBSCRIBED + signal.get("evidence", "")
+
+
+def _contended(summary: RunSummary, verdict: Verdict) -> Verdict:
+    """A verdict measured while this job's threads waited for CPUs: it says so first and is less sure. A host-timed
+    compute, optimizer or host share then includes that wait: the step's CPU phases ran slower than they would on
+    a free machine."""
+    evidence = [contention_line(summary) or ""]
+    host = summary.system.get("host", {})
+    delay = host.get("run_delay_process_pct")
+    cpu_timed = summary.meta.timing != "cuda" or verdict.bound == "host"
+    if verdict.bound in CPU_BOUNDS and cpu_timed and delay is not None:
+        evidence.append(
+            f"the {verdict.bound} share includes that wait: the process's threads were runnable but not running "
+            f"{delay:.0f}% of wall time (summed over threads), so on a free machine that share would be smaller"
+        )
+    return Verdict(verdict.bound, LOWER.get(verdict.confidence, "low"), evidence + verdict.evidence)

@@ -85,6 +85,7 @@ def _start(config: Any) -> None:
         options = {
             "warmup": config.warmup,
             "system_interval_s": config.system_interval_s,
+            "stack_sample_hz": config.stack_sample_hz,
             "sinks": _sinks(config.sinks),
         }
         try:
@@ -179,14 +180,11 @@ def _write(tracker: Any, final: bool) -> None:
     if not (tracker.trained or is_script):
         return  # a launcher, a loader worker, a compile worker: nothing to say
     try:
-        from stepscope.doctor.verdict import classify
-
         if final:
             tracker.scope.close()  # the system sampler's last figures
         summary = tracker.summary(drain=final)
         rank, local_rank, world = _rank_meta()
         summary.meta.rank, summary.meta.local_rank, summary.meta.world_size = rank, local_rank, world
-        summary.verdict = classify(summary)
         if not final:
             summary.exit = Exit(reason="running")
         out = Path(config.out_dir)

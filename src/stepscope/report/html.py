@@ -82,6 +82,7 @@ def render_html(summary: RunSummary) -> str:
             sections.verdict(summary),
             sections.fixes(summary),
             sections.phases(summary),
+            sections.hotspots(summary),
             sections.step_time(summary),
             sections.system(summary),
             sections.capacity(summary),

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from stepscope.analyses.loader import LoaderSettings
+from stepscope.doctor.verdict import late_rank_lines
 from stepscope.record import TOTAL
 from stepscope.report.svg import bars, esc, fmt_number, line_chart, stacked_bars
-from stepscope.report.terminal import exit_line, gain_text
+from stepscope.report.terminal import exit_line, gain_text, split_contention
 from stepscope.summary import Fix, RunSummary
 
 # What each verdict means for the person reading it (the vocabulary of DESIGN.md and docs/doctor.md).
@@ -43,8 +44,11 @@ def verdict(summary: RunSummary) -> str:
         f'<span class="confidence">confidence {esc(v.confidence)}</span></div>',
         f'<p class="meaning">{esc(MEANING.get(v.bound, ""))}</p>',
     ]
-    if v.evidence:
-        parts.append(_list(v.evidence))
+    contention, evidence = split_contention(v.evidence)
+    if contention:
+        parts.append(f'<p class="warn contention">The machine is oversubscribed: {esc(contention)}</p>')
+    if evidence:
+        parts.append(_list(evidence))
     straggler = summary.cluster.straggler if summary.cluster else None
     if straggler:
         parts.append(
@@ -91,7 +95,7 @@ def fixes(summary: RunSummary) -> str:
 
 
 def _fix(rank: int, fix: Fix) -> str:
-    gain = f"{gain_text(fix)} of step time" if fix.gain_bound is not None else "gain not bounded"
+    gain = f"{gain_text(fix)} of {fix.gain_basis} time" if fix.gain_bound is not None else "gain not bounded"
     bar = ""
     if fix.gain_bound is not None:
         width = max(0.0, min(100.0, 100 * fix.gain_bound))
@@ -142,6 +146,34 @@ def phases(summary: RunSummary) -> str:
     if summary.ranks:
         parts.append("<h3>Per rank</h3>" + _rank_table(summary))
     return _section("phases", "Where the step time goes", "".join(parts))
+
+
+def hotspots(summary: RunSummary) -> str:
+    """The source lines the host phases' time went to (the stack sampler's ``hotspots``); "" when none."""
+    hot = summary.hotspots
+    rows = []
+    for phase, lines in hot.get("phases", {}).items():
+        for line in lines:
+            rows.append(
+                [
+                    phase,
+                    f"{line['file']}:{line['line']}",
+                    line.get("code") or line.get("function", ""),
+                    line.get("calls") or "-",
+                    _pct(line["share"]),
+                    _ms(line.get("ms_per_step")),
+                ]
+            )
+    if not rows:
+        return ""
+    rank = f" of rank {hot['rank']}" if "rank" in hot else ""
+    caption = (
+        f"Where the host time{rank} that no phase names went, by source line: {hot.get('samples', 0):,} samples "
+        f"of the training thread's stack at {hot.get('rate_hz', 0):g} Hz. Share is of the phase's samples; "
+        "<code>calls</code> is the library function that line called."
+    )
+    table = _table(["phase", "line", "code", "calls", "share", "ms per step"], rows, numeric_from=4)
+    return _section("hotspots", "Host time by source line", f'<p class="caption">{caption}</p>{table}')
 
 
 def phase_colors(names: Sequence[str]) -> list[str]:
@@ -448,8 +480,9 @@ TRACE_SEGMENTS = (("idle_pct", "idle", "#bab0ac"), ("compute_pct", "compute", "#
 
 def trace(summary: RunSummary) -> str:
     """Highlights of the torch.profiler traces captured with the run: per rank the GPU's idle/compute/non-compute
-    shares with the idle causes, overlap, exposed communication, data loading and bound; the first rank's top kernels,
-    stragglers, the trace verdict and the files that could not be read; "" when the summary carries no trace."""
+    shares with the idle causes, overlap, exposed communication, data loading and bound; the first rank's top kernels
+    (or a CPU-only rank's top operators), the rank the others wait for at collectives with its cause, stragglers, the
+    trace verdict and the files that could not be read; "" when the summary carries no trace."""
     t = summary.trace or {}
     ranks = t.get("ranks") or []
     if not ranks:
@@ -474,6 +507,8 @@ def trace(summary: RunSummary) -> str:
     )
     if v.get("evidence"):
         parts.append(_list(v["evidence"]))
+    if late := late_rank_lines(t):
+        parts.append("<h3>Late rank</h3>" + _list(late))
     parts.append(_trace_rank_table(ranks, labels))
     if gpu:
         parts.append(
@@ -496,6 +531,8 @@ def trace(summary: RunSummary) -> str:
         ]
         parts.append(f"<h3>Top kernels, {esc(label)}</h3>")
         parts.append(_table(["kernel", "type", "calls", "total ms", "% kernel time"], rows, numeric_from=2))
+    if ops := _top_ops(ranks, labels, t.get("late_ranks") or []):
+        parts.append(ops)
     stragglers = t.get("stragglers") or []
     if stragglers:
         parts.append("<h3>Stragglers</h3>")
@@ -516,6 +553,24 @@ def trace(summary: RunSummary) -> str:
         reasons = _list(f"{s.get('file')}: {s.get('reason')}" for s in skipped)
         parts.append(f'<div class="notes">{reasons}</div>')
     return _section("trace", "Trace highlights", "".join(parts))
+
+
+def _top_ops(ranks: list[dict[str, Any]], labels: list[str], late: list[dict[str, Any]]) -> str:
+    """The top host operators of one CPU-only rank (a late rank's first: what it did while the others waited), as
+    ``prof.key_averages()`` tables them; "" when no rank is CPU-only."""
+    late_keys = {(entry.get("job"), entry.get("rank")) for entry in late}
+    pairs = zip(labels, ranks, strict=True)
+    cpu_only = [(label, r) for label, r in pairs if r.get("top_ops") and not r.get("top_kernels")]
+    if not cpu_only:
+        return ""
+    label, r = min(cpu_only, key=lambda pair: (pair[1].get("job"), pair[1].get("rank")) not in late_keys)
+    rows = [
+        [op.get("name", ""), _num(op.get("count")), _ms(op.get("self_ms")), _pct1(op.get("self_pct")),
+         _ms(op.get("total_ms"))]
+        for op in r["top_ops"]
+    ]  # fmt: skip
+    headers = ["operator", "calls", "self ms", "% self time", "total ms"]
+    return f"<h3>Top operators, {esc(label)} (CPU-only trace)</h3>" + _table(headers, rows, numeric_from=1)
 
 
 def _trace_labels(ranks: list[dict[str, Any]]) -> list[str]:

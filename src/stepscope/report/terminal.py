@@ -29,7 +29,8 @@ def _console(file: IO[str] | None) -> Console:
     file = file or sys.stdout
     plain = bool(os.environ.get("CI")) or not (hasattr(file, "isatty") and file.isatty())
     if plain:
-        return Console(file=file, force_terminal=False, color_system=None, highlight=False, width=110)
+        # A log or a file: long lines stay whole (wrapping mid-sentence breaks grep and copy); tables keep 110.
+        return Console(file=file, force_terminal=False, color_system=None, highlight=False, width=110, soft_wrap=True)
     return Console(file=file, highlight=False)
 
 
@@ -69,6 +70,26 @@ def phase_table(summary: RunSummary, ascii_only: bool = False) -> Table:
     return table
 
 
+HOTSPOT_MIN_SHARE = 0.10  # of a phase's stack samples: lines below this stay out of the terminal summary
+
+
+def hotspot_lines(summary: RunSummary, per_phase: int = 2) -> list[str]:
+    """The sampled source lines that took at least HOTSPOT_MIN_SHARE of a phase, at most ``per_phase`` per phase:
+    ``other 58%: train.py:42 torch.save(state, path) [torch.serialization.save] 81%``."""
+    from stepscope.collectors.stacks import describe_line
+
+    hot = summary.hotspots
+    lines = []
+    for phase, rows in hot.get("phases", {}).items():
+        stats = summary.phases.get(phase)
+        label = phase if stats is None else f"{phase} {100 * stats.share:.0f}%"
+        for row in [r for r in rows if r["share"] >= HOTSPOT_MIN_SHARE][:per_phase]:
+            lines.append(f"{label}: {describe_line(row)} {100 * row['share']:.0f}%")
+    if lines and "rank" in hot:
+        lines.insert(0, f"source lines of rank {hot['rank']}:")
+    return lines
+
+
 def throughput_line(summary: RunSummary) -> str:
     """One line: steps/s, samples/s, how many steps were measured and skipped."""
     t = summary.throughput
@@ -84,6 +105,18 @@ def throughput_line(summary: RunSummary) -> str:
     rate = ", ".join(parts) or "no rate"
     profiled = f", {summary.steps.profiled} profiled left out" if summary.steps.profiled else ""
     return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup}{profiled})"
+
+
+def eval_line(summary: RunSummary) -> str | None:
+    """One line on the validation passes kept out of the step statistics, or None without any."""
+    passes = summary.eval
+    if not passes:
+        return None
+    inside = ", ".join(f"{name} {ms:.1f}" for name, ms in passes["phases_ms"].items() if ms >= 0.05)
+    return (
+        f"eval: {passes['passes']} validation pass(es) between steps, mean {passes['mean_ms']:.1f} ms "
+        f"({inside} ms), {100 * passes['share_of_wall']:.0f}% of wall time; kept out of the step figures"
+    )
 
 
 def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
@@ -140,7 +173,7 @@ def pipeline_line(pipeline: dict) -> str:
 
 def trace_lines(trace: dict) -> list[str]:
     """The trace highlights of a summary in a few lines: per rank the GPU's idle/compute/non-compute shares (or the
-    CPU-only ATen share) and its bound, then the trace's verdict."""
+    CPU-only ATen share) and its bound, then the trace's verdict and the rank the others wait for, with its cause."""
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}%"
@@ -159,7 +192,20 @@ def trace_lines(trace: dict) -> list[str]:
     verdict = trace.get("verdict") or {}
     if lines and verdict.get("evidence"):
         lines.append(f"trace verdict: {verdict['bound']} ({'; '.join(verdict['evidence'])})")
+    if lines:
+        from stepscope.doctor.verdict import late_rank_lines
+
+        lines += [f"trace late rank: {line}" for line in late_rank_lines(trace)]
     return lines
+
+
+def split_contention(evidence: list[str]) -> tuple[str | None, list[str]]:
+    """The verdict's "machine is oversubscribed" line (without that prefix), if any, and the other evidence."""
+    from stepscope.doctor.verdict import OVERSUBSCRIBED
+
+    line = next((e for e in evidence if e.startswith(OVERSUBSCRIBED)), None)
+    rest = [e for e in evidence if e is not line]
+    return (None if line is None else line.removeprefix(OVERSUBSCRIBED)), rest
 
 
 def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line: bool = True) -> None:
@@ -171,11 +217,19 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
     )
     if summary.phases:
         console.print(phase_table(summary, ascii_only=_plain(console)))
+        for line in hotspot_lines(summary):
+            console.print(line, markup=False)
         console.print(throughput_line(summary), markup=False)
+        line = eval_line(summary)
+        if line:
+            console.print(line, markup=False)
         verdict = summary.verdict
-        evidence = f" ({'; '.join(verdict.evidence)})" if verdict.evidence else ""
+        contention, rest = split_contention(verdict.evidence)
+        evidence = f" ({'; '.join(rest)})" if rest else ""
         if verdict_line:
             console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
+            if contention:
+                console.print(f"contention: {contention}", markup=False)
     if summary.pipeline:
         console.print(pipeline_line(summary.pipeline), markup=False)
     for line in trace_lines(summary.trace):
@@ -301,7 +355,7 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
     console.print("\nfixes, cheapest first, then by the most step time they can save:", markup=False)
     console.print(fix_table(summary, ascii_only=_plain(console)))
     for rank, fix in enumerate(summary.fixes, 1):
-        gain = gain_text(fix) + " of step time" if fix.gain_bound is not None else "gain not bounded"
+        gain = f"{gain_text(fix)} of {fix.gain_basis} time" if fix.gain_bound is not None else "gain not bounded"
         console.print(f"\n{rank}. {fix.title} [{fix.id} · {fix.cost} · {gain}]", markup=False)
         lines = [f"why: {fix.why}", *(f"seen: {line}" for line in fix.evidence), f"how: {fix.how}"]
         if fix.gain_reason:

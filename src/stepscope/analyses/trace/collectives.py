@@ -177,11 +177,14 @@ def late_ranks(ranks: list[RankCollectives]) -> tuple[list[dict[str, Any]], str 
         theirs = np.median(np.stack([ranks[i].before[part][index[i][cols]] for i in others]), axis=0)
         excess[part] = (float(mine.sum()), float(theirs.sum()))
     cause = max(excess, key=lambda part: excess[part][0] - excess[part][1])
-    per = max(slow.steps, 1)
+    # the sums cover the collectives compared; when some were left out (ends apart), a step's worth is that share
+    kept = float(agree.mean())
+    per = max(slow.steps, 1) * kept
     unit = "per step" if slow.steps else "in the trace"
     lateness = arrival[late, cols] - np.median(arrival[others][:, cols], axis=0)
     wait_pct = statistics.fmean(
-        100 * float(waited[j]) / ranks[i].basis_us if ranks[i].basis_us > 0 else 0.0 for j, i in enumerate(others)
+        100 * float(waited[j]) / kept / ranks[i].basis_us if ranks[i].basis_us > 0 else 0.0
+        for j, i in enumerate(others)
     )
     mine_ms, theirs_ms = excess[cause][0] / 1000 / per, excess[cause][1] / 1000 / per
     waited_ms = float(np.median(waited)) / 1000 / per

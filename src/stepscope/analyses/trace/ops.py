@@ -94,7 +94,7 @@ def top_ops(trace: TraceEvents, top: int) -> list[OpStat]:
     listed = listed[~np.fromiter((bool(PROFILER_STEP.search(trace.names[i])) for i in listed), bool, len(listed))]
     ranked = listed[np.argsort(-self_by_name[listed], kind="stable")][:top]
     share = 100 / total_self if total_self > 0 else 0.0
+    own, total = self_by_name.tolist(), total_by_name.tolist()  # plain floats: JSON writers refuse numpy scalars
     return [
-        OpStat(trace.names[i], int(counts[i]), self_by_name[i] / 1000, self_by_name[i] * share, total_by_name[i] / 1000)
-        for i in ranked.tolist()
+        OpStat(trace.names[i], int(counts[i]), own[i] / 1000, own[i] * share, total[i] / 1000) for i in ranked.tolist()
     ]
