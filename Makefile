@@ -7,16 +7,21 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo doctor-demo test lint bench docs clean chromium
 
-$(VENV)/.installed: pyproject.toml
+# The demos need the package alone; the tests need every extra (the trackers, Lightning, transformers, Ray, ...).
+$(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.base
 	$(VENV)/bin/stepscope run --warmup 10 --steps 50 --json out/demo-summary.json examples/plain_train.py
 
-doctor-demo: $(VENV)/.installed
+doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
 test: $(VENV)/.installed lint chromium

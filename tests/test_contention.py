@@ -341,6 +341,16 @@ def test_doctor_names_threads_first_for_workers_beside_default_threads(tmp_path)
     assert s.system["host"]["run_delay_process_pct"] is not None, out
 
 
+@pytest.mark.skipif(CORES > 4, reason="the scenario is 2 workers beside one intra-op thread per core on a few cores")
+def test_workers_beside_default_threads_and_a_burner_still_name_threads_or_say_contention(tmp_path, burner):
+    # The same job while a burner spins on every core: fewer threads is still the first fix, or the verdict says
+    # the machine is oversubscribed and is not sure (the burner may leave the workers too little CPU to count).
+    s = doctor(tmp_path, script("contention_loader.py"), "--num-workers", "2", drop_omp=True, steps=100)
+    out = s.notes[-1]
+    if not (s.fixes and s.fixes[0].id == "host.threads"):
+        assert s.verdict.evidence[0].startswith(OVERSUBSCRIBED) and s.verdict.confidence != "high", out
+
+
 def test_data_bound_script_beside_a_burner_is_data_or_says_contention(tmp_path, burner):
     # Every sample sleeps 3 ms (a read): 24 ms of a step that computes well under 1 ms. A busy machine may slow the
     # step, but it must not turn the verdict into a confident wrong one.

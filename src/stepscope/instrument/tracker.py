@@ -748,9 +748,11 @@ class Tracker:
             seen = self.seen
             # Replaces the Scope's note, whose advice is about calling scope.step().
             summary.notes = [n for n in summary.notes if NO_STEP_MARK not in n]
+            # Forwards without gradients and no training after them are an open validation pass: count them too.
+            batches, forwards = seen["batches"] + self.evals.batches, seen["forward_calls"] + self.evals.forwards
             summary.notes.append(
-                f"no training step was seen: the script fetched {seen['batches']} batch(es) and ran "
-                f"{seen['forward_calls']} forward pass(es), but never called backward() or optimizer.step(); "
+                f"no training step was seen: the script fetched {batches} batch(es) and ran "
+                f"{forwards} forward pass(es), but never called backward() or optimizer.step(); "
                 "stepscope ends a step at an optimizer step (or at a backward call when there is no optimizer)."
             )
         summary.verdict = classify(summary)  # again: the facts, loaders and ceiling added here inform it
