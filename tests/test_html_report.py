@@ -326,6 +326,29 @@ def test_pipeline_section_present_and_absent():
     assert "pipeline" not in section_ids(render_html(multi_rank_summary(pipeline=False)))
 
 
+def test_validation_passes_have_their_section_after_the_phases_only_when_there_are_any():
+    summary = cpu_summary()
+    assert "eval" not in section_ids(render_html(summary))
+    summary.eval = {
+        "passes": 4,
+        "time_s": 1.0,
+        "share_of_wall": 0.74,
+        "mean_ms": 250.9,
+        "median_ms": 250.1,
+        "max_ms": 260.0,
+        "phases_ms": {"data_wait": 3.7, "forward": 245.7, "other": 1.5},
+        "forwards_per_pass": 30.0,
+        "batches_per_pass": 30.0,
+    }
+    page = render_html(summary)
+    ids = section_ids(page)
+    assert ids.index("phases") < ids.index("eval")
+    section = section_of(page, "eval")
+    assert "4 validation pass(es) between training steps took 74.0% of wall time" in section
+    assert '<td>mean</td><td class="num">250.9</td>' in section
+    assert '<td>inside: forward</td><td class="num">245.7</td>' in section
+
+
 def test_trace_section_shows_ranks_kernels_stragglers_verdict_and_skipped_files():
     page = render_html(multi_rank_summary())
     section = section_of(page, "trace")

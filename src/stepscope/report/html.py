@@ -83,6 +83,7 @@ def render_html(summary: RunSummary) -> str:
             sections.fixes(summary),
             sections.phases(summary),
             sections.hotspots(summary),
+            sections.evaluation(summary),
             sections.step_time(summary),
             sections.system(summary),
             sections.capacity(summary),

@@ -176,6 +176,23 @@ def hotspots(summary: RunSummary) -> str:
     return _section("hotspots", "Host time by source line", f'<p class="caption">{caption}</p>{table}')
 
 
+def evaluation(summary: RunSummary) -> str:
+    """The validation passes kept out of the step figures (``summary.eval``); "" when none."""
+    passes = summary.eval
+    if not passes:
+        return ""
+    caption = (
+        f"{passes['passes']} validation pass(es) between training steps took {_pct(passes['share_of_wall'])} of "
+        "wall time. They are kept out of the step figures above: their wall time is cut out of the step they fell "
+        f"in. A pass ran {passes['forwards_per_pass']:.0f} forward(s) over {passes['batches_per_pass']:.0f} "
+        "batch(es)."
+    )
+    figures = [["mean", _ms(passes["mean_ms"])], ["median", _ms(passes["median_ms"])], ["max", _ms(passes["max_ms"])]]
+    figures += [[f"inside: {name}", _ms(ms)] for name, ms in passes["phases_ms"].items()]
+    table = _table(["per pass", "ms"], figures, numeric_from=1)
+    return _section("eval", "Validation passes", f'<p class="caption">{esc(caption)}</p>{table}')
+
+
 def phase_colors(names: Sequence[str]) -> list[str]:
     """A colour per phase name: the canonical phases keep theirs, custom ones take the extra colours in turn."""
     custom = [n for n in names if n not in PHASE_COLORS]
