@@ -4,12 +4,13 @@ import re
 
 import pytest
 from run_helpers import script, stepscope_run, torchrun
+from test_merge import rank as merge_rank
 
 from stepscope.doctor.checkup import examine
 from stepscope.doctor.verdict import attributed_straggler
 from stepscope.instrument.merge import find_straggler, merge
 from stepscope.record import GROUPS, PHASES
-from stepscope.summary import LoaderInfo, Meta, PhaseStats, RunSummary, Steps, Throughput
+from stepscope.summary import LoaderInfo, RunSummary
 
 DDP_FACTS = {
     "models": [{"ddp": {"find_unused_parameters": False, "gradient_as_bucket_view": False, "bucket_cap_mb": 25}}]
@@ -24,17 +25,10 @@ def slow_loader() -> LoaderInfo:
 
 
 def rank(r: int, phases_ms: dict[str, float], world: int = 2) -> RunSummary:
-    step_ms = sum(phases_ms.values())
-    phases = {n: PhaseStats(ms, ms, ms * 1.5, ms / step_ms, 20) for n, ms in phases_ms.items()}
-    phases["total"] = PhaseStats(step_ms, step_ms, step_ms * 1.2, 1.0, 20)
-    return RunSummary(
-        steps=Steps(warmup=3, measured=20, boundary="optimizer.step"),
-        phases=phases,
-        throughput=Throughput(steps_per_s=1e3 / step_ms, samples_per_s=8e3 / step_ms, step_time_ms=step_ms),
-        meta=Meta(rank=r, world_size=world, command="train.py"),
-        loaders=[slow_loader()],
-        facts=DDP_FACTS,
-    )
+    """test_merge's rank summary (8-sample batches), with a DDP model and a loader without workers."""
+    summary = merge_rank(r, phases_ms, samples_per_s=8e3 / sum(phases_ms.values()), world=world)
+    summary.loaders, summary.facts = [slow_loader()], DDP_FACTS
+    return summary
 
 
 # Rank 1's loader is 10.9 ms slower per batch; rank 0 waits for it in DDP's all-reduce (comms). Both 17.7 ms steps.
