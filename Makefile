@@ -24,8 +24,10 @@ demo: $(VENV)/.base
 doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
+# Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves.
 test: $(VENV)/.installed lint chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # The HTML report's render test loads the page in headless Chromium. Install Debian's when it is missing and
 # apt-get can (CI runs as root on a fresh machine); where it cannot, the set-up goes on and that test skips.

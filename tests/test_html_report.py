@@ -649,7 +649,8 @@ def test_run_html_writes_the_report_of_a_real_run(tmp_path):
     page = page_path.read_text()
     bound = result.summary.verdict.bound
     assert f'<span class="bound bound-{bound}">{bound}</span>' in page
-    assert section_ids(page)[:3] == ["verdict", "phases", "step-time"]
+    # Host-time lines are there when the stack sampler caught the 6 short steps outside their phases (it may not).
+    assert [s for s in section_ids(page) if s != "hotspots"][:3] == ["verdict", "phases", "step-time"]
     assert "basic.py" in page
     (chart,) = svgs(section_of(page, "step-time"))
     assert len(list(chart.iter("{http://www.w3.org/2000/svg}circle"))) == 8  # 2 warm-up + 6 measured steps
