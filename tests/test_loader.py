@@ -543,11 +543,11 @@ def test_snippet():
 # -- sweep_loader ----------------------------------------------------------------------------------------------------
 
 
-def test_sweep_finds_that_workers_help_a_cpu_bound_dataset_on_two_cores():
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 usable cores")
-    # 2 ms of CPU per sample, batches of 8: 16 ms per batch in the calling process; 2 workers on 2 cores make
-    # close to two batches at a time (~1.5-1.9x measured here). gain > 0.3 is generous for a noisy shared VM.
+def test_sweep_of_a_cpu_bound_dataset_stays_within_the_cores():
+    # 2 ms of CPU per sample, batches of 8: the workers are runnable all the time, so the sweep must not read them
+    # as waiting on reads and go past the 2 cores, even when other work leaves them little CPU (it then counts
+    # their wait for a CPU). How much 1-2 workers gain needs free cores: bench/loader_sweep.py measures it
+    # (docs/benchmarks.md: 1.8x for 2 workers against none on this VM when quiet).
     loader = DataLoader(BusyDataset(8 * 400, sample_ms=2.0), batch_size=8, shuffle=True)
     sweep = sweep_loader(loader, budget_s=15, batches=20, warmup=3, cores=2)
     assert isinstance(sweep, SweepResult)
@@ -558,8 +558,7 @@ def test_sweep_finds_that_workers_help_a_cpu_bound_dataset_on_two_cores():
     rates = [t.samples_per_s for t in sweep.trials]
     assert rates == sorted(rates, reverse=True)  # fastest first
     assert sweep.best is sweep.trials[0]
-    assert sweep.best.settings.num_workers >= 1, sweep
-    assert sweep.gain is not None and sweep.gain > 0.3, sweep
+    assert max(t.settings.num_workers for t in sweep.trials) == 2, sweep
     assert sweep.elapsed_s <= 15 + 2
     assert any("pin_memory was not tried" in n for n in sweep.notes) or torch.cuda.is_available()
     for trial in sweep.trials:
