@@ -1170,6 +1170,42 @@ def test_cli_missing_paths(tmp_path, capsys):
     assert f"{missing}: no such file or folder" in capsys.readouterr().err
 
 
+def _deeply_nested(depth: int, where: str) -> bytes:
+    """A trace whose one kernel event (or whose metadata) holds JSON nested ``depth`` levels deep."""
+    deep = "[" * depth + "]" * depth
+    kernel = '{"ph": "X", "cat": "kernel", "name": "k", "ts": 10, "dur": 5, "tid": 1, "args": {"stream": 7, '
+    nested = kernel + f'"correlation": 1, "x": {deep}}}}}' if where == "args" else kernel + '"correlation": 1}}'
+    meta = f', "extra": {deep}' if where == "meta" else ""
+    return f'{{"traceEvents": [{kernel}"correlation": 2}}}}, {nested}]{meta}}}'.encode()
+
+
+@pytest.mark.parametrize("where", ["args", "meta"])
+@pytest.mark.parametrize("depth", [1_100, 100_000])
+def test_cli_skips_a_trace_nested_too_deep_and_analyses_the_others(tmp_path, capsys, depth, where):
+    for rank in range(2):
+        data_bound_trace(rank).write(tmp_path / f"rank{rank}.json")
+    deep = tmp_path / "rank2.json"
+    deep.write_bytes(_deeply_nested(depth, where))
+    assert read_trace(tmp_path / "rank0.json").events > 0
+    with pytest.raises(TraceReadError):  # a reason, not a RecursionError
+        read_trace(deep)
+    out = tmp_path / "out.json"
+    assert main(["trace", str(tmp_path), "--json", str(out), "--jobs", "1"]) == 0
+    printed = capsys.readouterr().out
+    skipped = [line for line in printed.splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and "rank2.json" in skipped[0], printed
+    assert any(why in skipped[0] for why in ("nests JSON deeper", "depth limit exceeded")), skipped
+    result = json.loads(out.read_text())
+    assert [r["rank"] for r in result["ranks"]] == [0, 1], "the good files are analysed"
+    assert result["verdict"]["bound"] == "data"
+
+
+def test_nesting_below_the_limit_is_read(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_bytes(_deeply_nested(500, "args"))
+    assert read_trace(path).events == 2
+
+
 @needs_hta_traces
 def test_cli_on_a_real_two_rank_job(tmp_path, capsys):
     out = tmp_path / "trace.json"

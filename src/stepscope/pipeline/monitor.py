@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import threading
 import time
 from collections import deque
@@ -63,6 +64,13 @@ class PipelineSnapshot:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _count(value: Any) -> bool:
+    """Whether ``value`` is a finite number >= 0 (a sample count or a duration); bools are not numbers here."""
+    if type(value) is int or type(value) is float:  # the usual case, decided in one comparison
+        return 0 <= value < math.inf
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -148,6 +156,7 @@ class PipelineMonitor:
         self._next_history_t = math.inf
         self._linked = False
         self._scope_phases: dict[str, Any] = {}
+        self._ignored: set[str] = set()  # the calls already warned about a bad value
         if scope is not None and getattr(scope, "enabled", False):
             scope._attach(self)
             self._linked = True
@@ -184,11 +193,14 @@ class PipelineMonitor:
         """Time one engine call, inside the slot (after the semaphore is acquired, so slot wait is excluded):
         ``with mon.infer(batch_size=n): out = engine.generate(batch)`` (also ``async with``). A call that raises is
         counted in ``infer_errors`` and left out of the capacity. Set ``.samples`` on the returned object inside
-        the block when the count is known only then."""
+        the block when the count is known only then. Counts and times must be finite numbers >= 0: a call with
+        another value (negative, NaN, inf) is ignored here as in every method, with one warning per method."""
         return _Timed(self, self._end_infer, batch_size)
 
     def _end_infer(self, t0: float, call: _Timed, ok: bool) -> None:
         t1 = self._clock()  # the duration is on the raw clock: a clamped end would stretch it
+        if not self._valid("infer", samples=call.samples):
+            return
         with self._lock:
             now = self._tick(t1)
             self._add_infer(now, t1 - t0, call.samples, ok)
@@ -197,6 +209,8 @@ class PipelineMonitor:
     def record_infer(self, duration_s: float, samples: float, ok: bool = True, ended_ago_s: float = 0.0) -> None:
         """Record an engine call timed elsewhere (another process or machine): ``duration_s`` inside the slot,
         ``samples`` produced, ended ``ended_ago_s`` seconds before this call (the Ray adapter reports in batches)."""
+        if not self._valid("record_infer", duration_s=duration_s, samples=samples, ended_ago_s=ended_ago_s):
+            return
         with self._lock:
             now = self._tick()
             self._add_infer(now - max(ended_ago_s, 0.0), duration_s, samples, ok)
@@ -217,6 +231,8 @@ class PipelineMonitor:
 
     def pool_put(self, samples: float) -> None:
         """``samples`` entered the pool."""
+        if not self._valid("pool_put", samples=samples):
+            return
         with self._lock:
             now = self._tick()
             self._bucket(now).put += samples
@@ -225,6 +241,8 @@ class PipelineMonitor:
 
     def pool_take(self, samples: float) -> None:
         """Training took ``samples`` from the pool: the realised throughput counts these."""
+        if not self._valid("pool_take", samples=samples):
+            return
         with self._lock:
             now = self._tick()
             self._bucket(now).taken += samples
@@ -234,6 +252,8 @@ class PipelineMonitor:
 
     def pool_level(self, samples: float) -> None:
         """The pool's size as read from the pool itself (a queue's ``qsize()``): used instead of puts − takes."""
+        if not self._valid("pool_level", samples=samples):
+            return
         with self._lock:
             now = self._tick()
             self._bucket(now)
@@ -285,6 +305,8 @@ class PipelineMonitor:
         if self._linked:
             log.warning("stepscope: PipelineMonitor.train_step ignored: the linked Scope's steps are recorded.")
             return
+        if not self._valid("train_step", batch_size=batch_size, step_time=0.0 if step_time is None else step_time):
+            return
         with self._lock:
             now = self._tick()
             last, self._last_step_t = self._last_step_t, now
@@ -319,6 +341,20 @@ class PipelineMonitor:
             bucket.step_wait_s += wait_s
             bucket.data_s += data_s
             bucket.compute_s += compute_s
+
+    def _valid(self, call: str, **figures: Any) -> bool:
+        """Whether every figure is a finite number >= 0. A call with one that is not (a negative count, NaN, inf)
+        is ignored, with one warning per method: it would turn every rate negative or NaN."""
+        if all(_count(value) for value in figures.values()):
+            return True
+        if call not in self._ignored:
+            self._ignored.add(call)
+            bad = ", ".join(f"{name}={value!r:.40}" for name, value in figures.items() if not _count(value))
+            log.warning(
+                "stepscope: PipelineMonitor.%s(%s) ignored: sample counts and times are finite numbers >= 0 "
+                "(further such calls are ignored without a word).", call, bad,
+            )  # fmt: skip
+        return False
 
     # -- reading ------------------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import msgspec
 import numpy as np
 import orjson
 
-from stepscope.analyses.trace.stream import TraceFile, iter_decoded
+from stepscope.analyses.trace.stream import TraceFile, TraceReadError, iter_decoded
 
 # Device events are the ones Kineto gives a stream: kernels, memory copies and sets, and waits on the GPU.
 DEVICE_KINDS = {"kernel": 0, "gpu_memcpy": 1, "memcpy": 1, "gpu_memset": 2, "memset": 2, "cuda_sync": 3}
@@ -188,11 +189,15 @@ _DECODER = msgspec.json.Decoder(list[Event])
 
 def decode_events(run: bytes) -> list[Event]:
     """A JSON array of events → `Event`s. Items that do not fit (not objects, ``args`` not an object) send the
-    array through the generic decoder instead, keeping what can be read; malformed JSON raises ValueError."""
+    array through the generic decoder instead, keeping what can be read; malformed JSON raises ValueError, and
+    JSON nested past the decoders' depth limit (about 1,000 levels) `TraceReadError`."""
     try:
         return _DECODER.decode(run)
     except msgspec.ValidationError:
         return [_from_dict(item) for item in orjson.loads(run) if type(item) is dict]
+    except RecursionError:  # msgspec's depth guard: Python's recursion limit (orjson stops at 1,024 levels)
+        limit = sys.getrecursionlimit()
+        raise TraceReadError(f"an event nests JSON deeper than the decoder reads (~{limit:,} levels)") from None
 
 
 def _from_dict(item: dict[str, Any]) -> Event:
