@@ -7,12 +7,15 @@ Merged figures: each phase statistic is the mean over ranks of that rank's stati
 p95); cluster samples/s is the sum over ranks; steps/s is the slowest rank's. Loaders, counters and runtime facts
 are the lowest rank's; ``system`` holds every rank's signals (each rank keeps its own system figures).
 ``cluster.phases`` gives each phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds
-the others up, and the ranks that wait for it in collectives.
+the others up, and the ranks that wait for it in collectives. ``first_failure`` names the rank whose failure came
+first in time (the cause; the others' errors, a peer's closed connection or a collective's timeout, follow from it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import statistics
 from typing import Any
 
@@ -22,6 +25,7 @@ from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Stra
 STRAGGLER_MIN = 0.05
 COMMS = "comms"
 EXIT_SEVERITY = ("finished", "stopped", "running", "interrupted", "terminated", "killed", "error")
+FAILED = ("running", "interrupted", "terminated", "killed", "error")  # running: only a checkpoint survived
 
 
 def _rank(summary: RunSummary) -> int:
@@ -98,6 +102,71 @@ def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
     return None
 
 
+def _failure(summary: RunSummary) -> tuple[bool, float, int] | None:
+    """How a rank failed, as a sort key, or None when it did not: (whether it waited in a collective, when its
+    failure began in Unix seconds — the last step before a stall, else the error or signal —, steps measured)."""
+    end = summary.exit
+    if end is None:
+        return None
+    hung = end.hung
+    if hung is None and end.reason not in FAILED:
+        return None
+    times = [t for t in (hung.get("since") if hung else None, end.at) if isinstance(t, (int, float))]
+    waiting = bool(hung and hung.get("collective"))
+    return waiting, min(times, default=math.inf), summary.steps.measured
+
+
+def first_failure(ranks: list[RunSummary]) -> RunSummary | None:
+    """The rank whose failure is the cause: the first in time. A rank stalled in a collective waits for another rank,
+    so it comes after every rank that failed otherwise (stalled elsewhere, raised, was killed); among equals the
+    earlier failure, then the rank that measured fewer steps (it stopped first). None when no rank failed."""
+    failed = [(key, _rank(r), r) for r in ranks if (key := _failure(r)) is not None]
+    return min(failed, key=lambda found: found[:2])[2] if failed else None
+
+
+def describe_failure(summary: RunSummary) -> str:
+    """A rank's failure in words: ``rank 1 hung in all_reduce at train.py:42 after 12 steps`` or ``rank 1:
+    RuntimeError: ...``."""
+    end = summary.exit or Exit()
+    hung = end.hung
+    if hung is None:
+        return f"rank {_rank(summary)}: {end.error or end.reason}"
+    text = f"rank {_rank(summary)} hung"
+    if hung.get("calls"):
+        text += f" in {hung['calls']}"
+    if hung.get("where"):
+        file, _, line = str(hung["where"]).rpartition(":")
+        text += f" at {os.path.basename(file)}:{line}"
+        if hung.get("code"):
+            text += f" ({hung['code']})"
+    if hung.get("steps") is not None:
+        text += f" after {hung['steps']} steps"
+    return text
+
+
+def _failure_exit(ranks: list[RunSummary], exits: list[Exit]) -> tuple[Exit, list[str]]:
+    """The merged exit (the most severe reason; the error, time and rank of the first failure) and a note per
+    failure that followed it."""
+    worst = max(exits, key=lambda e: EXIT_SEVERITY.index(e.reason) if e.reason in EXIT_SEVERITY else 0)
+    cause = first_failure(ranks)
+    if cause is None:
+        return worst, []
+    end = cause.exit or Exit()
+    merged = dataclasses.replace(worst, error=describe_failure(cause), at=end.at, hung=end.hung)
+    merged.cause_rank = _rank(cause)
+    notes = []
+    if end.hung is not None and end.hung.get("stack"):
+        notes.append(f"{describe_failure(cause)}; its stack, innermost first: {' < '.join(end.hung['stack'])}")
+    cause_at = _failure(cause)[1]  # type: ignore[index]
+    for r in ranks:
+        key = _failure(r)
+        if r is cause or key is None:
+            continue
+        later = f" {key[1] - cause_at:.1f} s later" if math.isfinite(key[1]) and math.isfinite(cause_at) else ""
+        notes.append(f"{describe_failure(r)} (followed rank {_rank(cause)}'s failure{later})")
+    return merged, notes
+
+
 def _rank_signals(ranks: list[RunSummary]) -> list[dict[str, str]]:
     """Every rank's system signals (launch-bound, transform-bound, ...), each evidence naming its rank; the full
     system figures stay in each rank's summary."""
@@ -155,7 +224,11 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
             "it could); the figures are from the other ranks."
         )
     exits = [r.exit or Exit() for r in ranks]
-    worst = max(exits, key=lambda e: EXIT_SEVERITY.index(e.reason) if e.reason in EXIT_SEVERITY else 0)
+    worst, failure_notes = _failure_exit(ranks, exits)
+    notes += failure_notes
+    if worst.hung is not None and cluster.straggler is not None and cluster.straggler.rank != worst.cause_rank:
+        # The ranks that waited for a hung rank are not its stragglers: the job's problem is the hang.
+        cluster.straggler = None
     meta = dataclasses.replace(first.meta, rank=None, local_rank=None, world_size=world)
     return RunSummary(
         steps=Steps(
