@@ -4,6 +4,7 @@ from summaries, batch warnings, the exit codes and the CI gate, and a real A/B o
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -422,8 +423,9 @@ def test_real_ab_finds_a_halved_step_and_no_difference_between_identical_variant
     assert done.returncode == 0, done.stderr
     fast, same = data["comparisons"]
     assert (fast["verdict"], fast["faster"]) == (FASTER, "fast"), fast
-    assert fast["speedup"] == pytest.approx(2.0, rel=0.15)  # the step's own work is on top of the sleep
-    assert fast["speedup_ci"][0] > 1.4, fast
+    # The step's own work is on top of the sleep. (The interval's width is not asserted: three runs per variant on a
+    # loaded machine give 1.35-2.5 around a true 2; "faster" already says the whole interval is above 1.)
+    assert fast["speedup"] == pytest.approx(2.0, rel=0.15)
     # Identical variants: no material difference. Sleep-bound steps vary so little between runs that a change of
     # machine load between runs can be detected as a real (small) difference, so a verdict other than "no
     # detectable difference" is accepted only with the whole interval within 5% of 1. (The point estimate alone is
@@ -473,3 +475,37 @@ def test_gpu_ab_compares_device_memory_and_warns_about_the_batch(tmp_path):
     assert large["peak_mem_mb"] > small["peak_mem_mb"]
     assert data["comparison"]["peak_mem_ratio"] > 1
     assert any("per-rank batch differs (b256 256, b1024 1024)" in w for w in data["warnings"]), data["warnings"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_json_that_cannot_be_written_keeps_the_gate_and_its_message(monkeypatch, capsys):
+    _fake_launch(monkeypatch)
+    argv = ["ab", "--repeats", "4", "--json", "/dev/full", "--fail-if-slower", "5"]
+    argv += ["--variant", f"base=AB_MS=20 python {SLEEPER}", "--variant", f"new=AB_MS=24 python {SLEEPER}"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stepscope: --json /dev/full: could not write the A/B results (No space left on device)." in err
+    assert "new is slower than base by more than 5%" in err
+
+
+def test_the_header_says_how_many_steps_the_runs_measured():
+    def measured(variant, steps):
+        for run in variant.runs:
+            run.measured_steps = steps
+        return variant
+
+    full = [_variant("a", BASE), _variant("b", BASE)]
+    out = io.StringIO()
+    print_ab(ab_result(Settings(5, 100, 20), full), file=out)
+    assert out.getvalue().splitlines()[0].endswith("interleaved · 100 steps measured after 20 warm-up")
+    short = [_variant("a", BASE), measured(_variant("b", BASE), 50)]
+    out = io.StringIO()
+    print_ab(ab_result(Settings(5, 100, 20), short), file=out)
+    head = out.getvalue().splitlines()[0]
+    assert head.endswith("interleaved · 50–100 steps measured (--steps 100; fewer in b) after 20 warm-up")
+
+
+def test_variant_names_with_control_characters_are_printed_escaped():
+    out = io.StringIO()
+    print_ab(ab_result(Settings(5, 100, 20), [_variant("a", BASE), _variant("b\x1b[2J", BASE)]), file=out)
+    assert "\x1b" not in out.getvalue() and "b\\x1b[2J vs a:" in out.getvalue()

@@ -240,3 +240,78 @@ def test_a_background_sink_that_fails_is_dropped_with_its_own_name(caplog):
     assert not sinks, "the failing sink is dropped"
     assert sinks.dropped == ["_BrokenServerSink: ConnectionError: server gone"]
     assert broken.steps == [0, 1]
+
+
+def _closed_loopback_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def loopback_only(monkeypatch) -> list:
+    """Every address a socket connects to, recorded; any but the loopback interface is refused."""
+    import socket
+
+    contacted: list = []
+    connect = socket.socket.connect
+
+    def guarded(self, address):
+        contacted.append(address)
+        if address[0] not in ("127.0.0.1", "::1"):
+            raise AssertionError(f"a test tried to reach {address}")
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+    return contacted
+
+
+def test_an_mlflow_server_that_is_down_never_holds_up_the_script(loopback_only, caplog):
+    import threading
+
+    pytest.importorskip("mlflow")
+    from stepscope.sinks import MLflowSink
+
+    uri = f"http://127.0.0.1:{_closed_loopback_port()}"
+    made: list[SinkSet] = []
+
+    def start_and_log() -> None:  # what the training thread does: make the sink, log the first steps
+        sinks = SinkSet([MLflowSink(tracking_uri=uri)])
+        for step in range(3):
+            sinks.write(step, {"perf/step_time": 0.1})
+        made.append(sinks)
+
+    caller = threading.Thread(target=start_and_log, daemon=True)
+    caller.start()
+    caller.join(5.0)
+    assert made, "making the MLflow sink and logging 3 steps did not return within 5 s with the server down"
+    (sinks,) = made
+    deadline = time.monotonic() + 90  # the sink's thread imports mlflow first: slow on a loaded machine
+    with caplog.at_level(logging.WARNING, logger="stepscope"):
+        step = 3
+        while sinks and time.monotonic() < deadline:
+            time.sleep(0.1)
+            sinks.write(step, {"perf/step_time": 0.1})
+            step += 1
+        sinks.close()
+    assert not sinks, "the sink of an unreachable server was never dropped"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "the MLflowSink sink failed and is dropped" in warnings[0], warnings
+    assert f"cannot reach the tracking server {uri} within 5 s (Connection refused)" in warnings[0]
+    assert loopback_only and {address[0] for address in loopback_only} == {"127.0.0.1"}
+
+
+def test_run_with_an_mlflow_sink_whose_server_is_down_is_not_held_up(tmp_path):
+    pytest.importorskip("mlflow")
+    uri = f"http://127.0.0.1:{_closed_loopback_port()}"
+    start = time.monotonic()
+    r = stepscope_run(tmp_path, "--sink", f"mlflow:{uri}", script("basic.py"), warmup=2, steps=20, timeout=150)
+    took_s = time.monotonic() - start
+    assert r.returncode == 0, r.describe()
+    assert r.summary.steps.measured == 20
+    assert r.stderr.count("stepscope: the MLflowSink sink") == 1, r.describe()
+    assert "cannot reach the tracking server" in r.stderr, r.describe()
+    assert took_s < 120, f"the run took {took_s:.0f} s"  # an MLflow client left to retry takes ~250 s

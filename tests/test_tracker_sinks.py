@@ -305,6 +305,9 @@ def jsonl_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+KILLED_RUN_STEPS = 300  # 20 ms each: the run outlasts the sink's connection, made in the sink's thread
+
+
 def test_a_killed_server_drops_the_sink_and_training_goes_on(live_mlflow, tmp_path):
     # The server dies after a few steps: the MLflow sink fails once, is dropped with one warning, and the run and
     # its JSONL file go on to the last step.
@@ -314,7 +317,7 @@ def test_a_killed_server_drops_the_sink_and_training_goes_on(live_mlflow, tmp_pa
     since_ms = int(time.time() * 1000)
     sinks = ("--sink", f"mlflow:{live_mlflow.url}", "--metrics-jsonl", str(jsonl))
     cmd = stepscope_cmd(
-        tmp_path / "s.json", *sinks, script("sleepy_forever.py"), "--sleep-ms", "20", warmup=2, steps=60
+        tmp_path / "s.json", *sinks, script("sleepy_forever.py"), "--sleep-ms", "20", warmup=2, steps=KILLED_RUN_STEPS
     )
     env = run_env({**MLFLOW_QUIET, **MLFLOW_NO_RETRY})
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -323,6 +326,15 @@ def test_a_killed_server_drops_the_sink_and_training_goes_on(live_mlflow, tmp_pa
         while not line.startswith("READY"):  # after 5 steps: 3 measured and logged
             line = proc.stdout.readline()
             assert line, f"no READY line; exit code {proc.poll()}: {proc.stderr.read()}"
+        # The sink connects in its own thread at its first write: kill the server once the run is there.
+        store = f"sqlite:///{live_mlflow.root / 'db'}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            experiment = MlflowClient(tracking_uri=store).get_experiment_by_name("stepscope")
+            if experiment is not None and runs_since(store, "stepscope", since_ms):
+                break
+            assert proc.poll() is None, "the run ended before its MLflow run was created"
+            time.sleep(0.1)
         logged_before = len(jsonl_rows(jsonl))
         live_mlflow.stop(signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
@@ -334,13 +346,12 @@ def test_a_killed_server_drops_the_sink_and_training_goes_on(live_mlflow, tmp_pa
     assert err.count("stepscope: the MLflowSink sink failed and is dropped") == 1, err
     summary = RunSummary.from_json(tmp_path / "s.json")
     rows = jsonl_rows(jsonl)
-    assert len(rows) == summary.steps.measured == 60, (len(rows), summary.steps)
-    assert 0 < logged_before < 60, "the server was not killed while the run logged to it"
+    assert len(rows) == summary.steps.measured == KILLED_RUN_STEPS, (len(rows), summary.steps)
+    assert 0 < logged_before < KILLED_RUN_STEPS, "the server was not killed while the run logged to it"
     # The server's own store, read back: only the steps before the kill reached it, and the run was never ended.
-    store = f"sqlite:///{live_mlflow.root / 'db'}"
     (run,) = runs_since(store, "stepscope", since_ms)
     assert run.info.status == "RUNNING"
     history = MlflowClient(tracking_uri=store).get_metric_history(run.info.run_id, "perf/step_time")
     # the sink writes from its own thread: what reached the server before the kill is a prefix of the JSONL steps
-    assert 0 < len(history) < 60, (logged_before, len(history))
+    assert 0 < len(history) < KILLED_RUN_STEPS, (logged_before, len(history))
     assert [m.step for m in history] == [row["step"] for row in rows[: len(history)]]

@@ -183,8 +183,16 @@ class Profiler:
         path = directory / f"rank{process_rank()}.step{first}-{last}.pt.trace.json.gz"
         prof.export_chrome_trace(str(path))
         self.files.append(path)
-        size_mb = path.stat().st_size / 1e6
-        print(f"stepscope: trace of steps {first}-{last} written to {path} ({size_mb:.1f} MB)", file=sys.stderr)
+        size = file_size(path.stat().st_size)
+        print(f"stepscope: trace of steps {first}-{last} written to {path} ({size})", file=sys.stderr)
+
+
+def file_size(size_bytes: int) -> str:
+    """A file size in bytes as people read it: "824 B", "24.0 KB", "3.1 MB", "1.20 GB" (powers of 1000)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size_bytes >= scale:
+            return f"{size_bytes / scale:.2f} {unit}" if unit == "GB" else f"{size_bytes / scale:.1f} {unit}"
+    return f"{size_bytes} B"
 
 
 class NsysRange:

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, VariantResult
-from stepscope.report.terminal import _ASCII_HEAD, _console, _plain
+from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
 
 _MEMORY_SOURCE = {"torch reserved": "gpu", "gpu (nvml)": "gpu", "host rss": "rss"}
 
@@ -58,8 +58,9 @@ def variant_table(result: ABResult, ascii_only: bool = False) -> Table:
     for v in result.variants:
         rate = "-" if v.samples_per_s is None else f"{v.samples_per_s:,.1f}"
         table.add_row(
-            escape(v.name), escape(v.backend or "-"), str(v.world_size or "-"), _batch(v.per_rank_batch),
-            _batch(v.global_batch), _step_time(v), _spread(v), rate, _memory(v), f"{v.usable_runs}/{len(v.runs)}",
+            escape(terminal_safe(v.name)), escape(terminal_safe(v.backend or "-")), str(v.world_size or "-"),
+            _batch(v.per_rank_batch), _batch(v.global_batch), _step_time(v), _spread(v), rate, _memory(v),
+            f"{v.usable_runs}/{len(v.runs)}",
         )  # fmt: skip
     return table
 
@@ -87,25 +88,42 @@ def comparison_line(comparison: Comparison) -> str:
     return f"{head} {c.speedup:.3f}x ({interval}): {words}{''.join(ratios)}"
 
 
+def measured_text(result: ABResult) -> str:
+    """The steps the runs measured: "100 steps measured" when every usable run measured ``--steps``; else their
+    range and the variants that measured fewer (their script ended first): "50–100 steps measured (--steps 100;
+    fewer in b)"."""
+    steps = result.settings.steps
+    usable = {v.name: [r.measured_steps for r in v.runs if not r.failure] for v in result.variants}
+    counts = sorted({n for runs in usable.values() for n in runs})
+    if counts in ([], [steps]):
+        return f"{steps} steps measured"
+    short = ", ".join(name for name, runs in usable.items() if any(n < steps for n in runs))
+    span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    return f"{span} steps measured (--steps {steps}; fewer in {short})"
+
+
 def print_ab(result: ABResult, file: IO[str] | None = None) -> None:
     """The variant table, the comparison lines, the warnings and the runs left out."""
     console = _console(file)
+
+    def say(text: str) -> None:
+        console.print(terminal_safe(text), markup=False)
+
     s = result.settings
-    console.print(
+    say(
         f"stepscope ab · {len(result.variants)} variants × {s.repeats} run{'s' if s.repeats > 1 else ''} "
-        f"interleaved · {s.steps} steps measured after {s.warmup} warm-up",
-        markup=False,
+        f"interleaved · {measured_text(result)} after {s.warmup} warm-up"
     )
     console.print(variant_table(result, ascii_only=_plain(console)))
     if result.comparisons:
-        console.print(f"speedup = {result.variants[0].name}'s sec/step ÷ the variant's (> 1: faster)", markup=False)
+        say(f"speedup = {result.variants[0].name}'s sec/step ÷ the variant's (> 1: faster)")
     for comparison in result.comparisons:
-        console.print(comparison_line(comparison), markup=False)
+        say(comparison_line(comparison))
     for warning in result.warnings:
-        console.print(f"warning: {warning}", markup=False)
+        say(f"warning: {warning}")
     for variant in result.variants:
         for run in variant.runs:
             if run.failure:
-                console.print(f"run {run.order} ({variant.name}) left out: {run.failure}", markup=False)
+                say(f"run {run.order} ({variant.name}) left out: {run.failure}")
     if result.stopped:
-        console.print(result.stopped, markup=False)
+        say(result.stopped)

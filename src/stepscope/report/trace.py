@@ -10,7 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.analyses.trace.analyze import RankTrace, TraceAnalysis, job_verdict
-from stepscope.report.terminal import _ASCII_HEAD, _console, _plain
+from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
+
+
+def _text(value: object) -> str:
+    """A string from the trace (a file name, a kernel, a reason) for one console line: no control characters, no
+    rich markup."""
+    return escape(terminal_safe(value))
 
 
 def _pct(value: float | None) -> str:
@@ -49,7 +55,7 @@ def kernel_table(rank: RankTrace, ascii_only: bool = False) -> Table:
     for column in ("type", "calls", "total ms", "mean µs", "% kernel time"):
         table.add_column(column, justify="left" if column == "type" else "right", no_wrap=True)
     for k in rank.top_kernels:
-        table.add_row(escape(k.name), k.type, f"{k.count:,}", f"{k.total_us / 1000:,.2f}", f"{k.mean_us:,.1f}",
+        table.add_row(_text(k.name), k.type, f"{k.count:,}", f"{k.total_us / 1000:,.2f}", f"{k.mean_us:,.1f}",
                       f"{k.pct:.1f}")  # fmt: skip
     return table
 
@@ -63,7 +69,7 @@ def ops_table(rank: RankTrace, ascii_only: bool = False) -> Table:
     for column in ("calls", "self ms", "self %", "total ms"):
         table.add_column(column, justify="right", no_wrap=True)
     for op in rank.top_ops:
-        table.add_row(escape(op.name), f"{op.count:,}", f"{op.self_ms:,.2f}", f"{op.self_pct:.1f}",
+        table.add_row(_text(op.name), f"{op.count:,}", f"{op.self_ms:,.2f}", f"{op.self_pct:.1f}",
                       f"{op.total_ms:,.2f}")  # fmt: skip
     return table
 
@@ -74,9 +80,9 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
     plain = _plain(console)
     for status in analysis.files:
         if not status.ok:
-            console.print(f"skipped {escape(status.path)}: {escape(status.reason)}")
+            console.print(f"skipped {_text(status.path)}: {_text(status.reason)}")
     for warning in analysis.warnings:
-        console.print(f"warning: {escape(warning)}")
+        console.print(f"warning: {_text(warning)}")
     if not analysis.ranks:
         console.print("nothing could be analysed")
         return
@@ -84,7 +90,7 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
     for job in jobs:
         ranks = [r for r in analysis.ranks if r.job == job]
         files = ", ".join(sorted({r.file.rsplit("/", 1)[-1] for r in ranks}))
-        console.print(f"\nstepscope trace · {escape(job)} · {len(ranks)} rank(s) · {escape(files[:200])}")
+        console.print(f"\nstepscope trace · {_text(job)} · {len(ranks)} rank(s) · {_text(files[:200])}")
         console.print(rank_breakdown(ranks, plain))
         for r in ranks[:top_ranks]:
             if r.top_kernels:
@@ -100,21 +106,21 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
                 console.print(ops_table(r, plain))
             if r.phases_ms:
                 phases = ", ".join(f"{name} {ms:.2f}" for name, ms in r.phases_ms.items())
-                console.print(f"rank {r.rank} stepscope phases, ms per step: {phases}")
+                console.print(f"rank {r.rank} stepscope phases, ms per step: {_text(phases)}")
             for note in r.notes:
-                console.print(f"rank {r.rank}: {escape(note)}")
+                console.print(f"rank {r.rank}: {_text(note)}")
         for s in (s for s in analysis.stragglers if s["job"] == job):
             console.print(
                 f"straggler: rank {s['rank']}, {s['step_ms']:.2f} ms per step, {s['slower_pct']:.0f}% over the other "
-                f"ranks' median ({s['median_step_ms']:.2f} ms); {escape(s['why'])}"
+                f"ranks' median ({s['median_step_ms']:.2f} ms); {_text(s['why'])}"
             )
         late = [s for s in analysis.late_ranks if s["job"] == job]
         for s in late:
             console.print(
                 f"late rank: {s['rank']}, the others wait {s['waited_ms']:.2f} ms {s['unit']} for it in collectives "
-                f"({s['wait_share_pct']:.0f}% of their communication); cause: {s['cause']}"
+                f"({s['wait_share_pct']:.0f}% of their communication); cause: {_text(s['cause'])}"
             )
         verdict = ranks[0].verdict if len(ranks) == 1 else job_verdict(ranks, late)
-        console.print(escape(f"bound: {verdict.bound} [confidence {verdict.confidence}]"))
+        console.print(_text(f"bound: {verdict.bound} [confidence {verdict.confidence}]"))
         for line in verdict.evidence:
-            console.print(f"  {escape(line)}")
+            console.print(f"  {_text(line)}")

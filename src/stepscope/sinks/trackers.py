@@ -40,11 +40,34 @@ class TensorBoardSink:
         self._writer.close()
 
 
+CONNECT_TIMEOUT_S = 5.0  # to open a connection to a tracking server; an MLflow client alone retries for minutes
+
+
+def probe_server(uri: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Open (and close) one TCP connection to an http(s) tracking ``uri`` within ``timeout_s`` seconds; raises
+    ConnectionError naming the server when it cannot. Other URIs (files, databases) are not probed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConnectionError(f"cannot reach the tracking server {uri} within {timeout_s:g} s ({reason})") from None
+
+
 class MLflowSink:
     """Metrics into an MLflow run through ``MlflowClient`` (any tracking URI: a file store, sqlite, a server).
 
     Logs into ``run_id`` when given, else into the active ``mlflow`` run, else into a new run of ``experiment``
-    (created when missing), which ``close()`` ends; a run stepscope did not start is left open."""
+    (created when missing), which ``close()`` ends; a run stepscope did not start is left open. The constructor
+    touches no server: mlflow is imported, the server reached (``CONNECT_TIMEOUT_S``) and the run created at the
+    first ``write``, which `SinkSet` makes from the sink's own thread, so a server that is down never holds up the
+    script; it fails that write and the sink is dropped with one warning."""
 
     background = True  # a remote server may be slow or gone: written from its own thread (`Background`)
 
@@ -55,31 +78,45 @@ class MLflowSink:
         run_id: str | None = None,
         run_name: str | None = None,
     ) -> None:
-        try:
-            import mlflow
-            from mlflow.entities import Metric
-            from mlflow.tracking import MlflowClient
-        except ImportError:
-            raise _missing("MLflowSink", "mlflow", "mlflow") from None
-        self._metric = Metric
-        self._client = MlflowClient(tracking_uri=tracking_uri)
-        active = mlflow.active_run()
+        import importlib.util
+        import sys
+
+        if importlib.util.find_spec("mlflow") is None:
+            raise _missing("MLflowSink", "mlflow", "mlflow")
+        # mlflow's active run is per thread and exists only where the script imported mlflow: read it here, in
+        # the caller's thread, without importing mlflow (slow) when the script has not
+        imported = sys.modules.get("mlflow")
+        active = imported.active_run() if imported is not None and hasattr(imported, "active_run") else None
         self._owned = run_id is None and active is None
-        if run_id is None and active is not None:
-            run_id = active.info.run_id
-        if run_id is None:
-            found = self._client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
-            run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
-        self.run_id = run_id
+        self.run_id = run_id if run_id is not None else (active.info.run_id if active is not None else None)
+        self._tracking_uri = tracking_uri
+        self._experiment = experiment
+        self._run_name = run_name
+        self._client: Any = None
+        self._metric: Any = None
+
+    def _connect(self) -> None:
+        import mlflow
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        probe_server(self._tracking_uri or mlflow.get_tracking_uri())
+        client = MlflowClient(tracking_uri=self._tracking_uri)
+        if self.run_id is None:
+            found = client.get_experiment_by_name(self._experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(self._experiment)
+            self.run_id = client.create_run(experiment_id, run_name=self._run_name).info.run_id
+        self._metric, self._client = Metric, client
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._client is None:
+            self._connect()
         now_ms = int(time.time() * 1000)
         batch = [self._metric(name, float(value), now_ms, step) for name, value in metrics.items()]
         self._client.log_batch(self.run_id, metrics=batch)
 
     def close(self) -> None:
-        if self._owned:
+        if self._owned and self._client is not None:
             self._client.set_terminated(self.run_id)
 
 

@@ -15,6 +15,8 @@ def _run_shadowed() -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)
+        # `import sitecustomize` and sys.modules must give the user's module, with its attributes, not this one
+        sys.modules["sitecustomize"] = module
         spec.loader.exec_module(module)
 
 
