@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -483,12 +484,12 @@ def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
     # SIGKILL (the OOM killer) runs no exit handler: only the periodic checkpoint can carry the figures out.
     json_path = tmp_path / "s.json"
     cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
-    cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = ["--checkpoint-s", "0.2"]
+    cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = ["--checkpoint-s", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, lines = _wait_for_ready(proc, timeout=60)
         assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
-        time.sleep(1.0)  # several checkpoints
+        time.sleep(2.5)  # a checkpoint or two
         os.kill(int(ready.split()[1]), signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -503,9 +504,143 @@ def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
     assert s.exit.reason == "killed", s.exit
     assert s.exit.code == 137
     assert "killed by signal 9" in s.exit.error
-    assert s.steps.measured >= 10, s.steps  # ~5 ms steps for ~1 s, checkpointed every 0.2 s
+    assert s.steps.measured >= 10, s.steps  # ~5 ms steps for over 1 s, checkpointed every 1 s
     check_consistent(s)
     assert "the script was killed by signal 9" in stdout
+
+
+def test_a_script_killed_before_its_first_checkpoint_is_killed_not_failed(tmp_path):
+    # SIGKILL a few steps in, long before the first checkpoint (30 s): nothing survives, and the summary says why.
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, lines = _wait_for_ready(proc, timeout=60)
+        assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
+        os.kill(int(ready.split()[1]), signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    time.sleep(0.2)  # the reader thread drains the rest of stdout
+    stdout = "".join(lines)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr
+    s = RunSummary.from_json(json_path)
+    assert (s.exit.reason, s.exit.code) == ("killed", 137), s.exit
+    assert s.exit.error.startswith("killed by signal 9 after "), s.exit
+    assert "no figures survived" in s.exit.error, s.exit
+    assert s.steps.measured == 0 and not s.ranks, s.steps
+    (note,) = [n for n in s.notes if "checkpoint" in n]
+    assert "before any of its processes wrote a checkpoint" in note and "first was due 30 s" in note, note
+    assert "the script was killed by signal 9 after" in stdout, stdout
+    assert "before importing torch" not in stdout + "".join(s.notes), stdout
+
+
+def test_a_checkpoint_write_is_not_charged_to_the_step(tmp_path):
+    # In process, as `stepscope run` sets a tracker up, with a checkpoint after every step that takes a known 30 ms
+    # (steps do ~5 ms of work). Same-run calibration: a hand timer between successive optimizer steps, less the
+    # write inside each interval, is what stepscope's step time must read.
+    from stepscope.instrument.hooks import install
+    from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
+    from stepscope.scope import enabled_scope
+
+    torch.set_num_threads(1)
+    warmup, steps = 2, 10
+    scope = enabled_scope(warmup=warmup, system_interval_s=None)
+    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=warmup, steps=steps, checkpoint_s=0.0))
+    write_ns: list[int] = []
+
+    def write() -> None:
+        t0 = time.perf_counter_ns()
+        time.sleep(0.03)
+        write_ns.append(time.perf_counter_ns() - t0)
+
+    tracker.on_checkpoint = write
+    undo = install(tracker)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    ends: list[int] = []  # when each optimizer.step() returned (the checkpoint is written inside it)
+    try:
+        for _ in range(warmup + steps + 1):
+            model(x).sum().backward()
+            time.sleep(0.005)
+            optimizer.step()
+            ends.append(time.perf_counter_ns())
+            optimizer.zero_grad()
+    except StopRun:
+        pass  # the step after the last measured one stops the run, before it begins
+    finally:
+        undo()
+    summary = tracker.summary()
+    assert summary.steps.measured == steps
+    assert len(write_ns) == len(ends) == warmup + steps, (len(write_ns), len(ends))
+    measured = range(warmup, warmup + steps)  # step i runs from ends[i - 1] to ends[i]
+    hand_ms = sum(ends[i] - ends[i - 1] - write_ns[i] for i in measured) / steps / 1e6
+    total_ms = summary.phases["total"].mean_ms
+    assert hand_ms >= 5.0
+    assert abs(total_ms - hand_ms) <= 0.1 * hand_ms + 1.0, (total_ms, hand_ms)  # charged, it would be ~30 ms more
+    assert summary.phases["other"].mean_ms < 15.0, summary.phases["other"]  # the 5 ms sleep; charged, 35 ms
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "0.5", "nan", "inf", "soon"])
+def test_checkpoint_period_must_be_a_finite_second_or_more(tmp_path, value):
+    r = stepscope_run(tmp_path, "--checkpoint-s", value, script("sleepy_forever.py"), warmup=None, steps=None)
+    assert r.returncode == 2, r.describe()
+    line = r.stderr.strip().splitlines()[-1]
+    assert "argument --checkpoint-s: must be a" in line and "number of seconds" in line, r.describe()
+    assert not r.json_path.exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_process_group_signal_keeps_the_summary(tmp_path, signum):
+    # `timeout`, schedulers and CI cancellation signal the whole process group, and often again: stepscope run and
+    # the script both get each signal, the script a second copy from stepscope. The script's exit handlers and
+    # stepscope's report must outlive the repeats. The signal comes every 5 ms until stepscope has exited.
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=run_env(),
+        stdin=subprocess.DEVNULL,  # no terminal: stepscope passes SIGINT on, as under a job manager
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, led by stepscope run (what `set -m` gives a shell job)
+    )
+    signals = 0
+    try:
+        ready, lines = _wait_for_ready(proc, timeout=60)
+        assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
+        time.sleep(0.3)  # a few more steps
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):  # the group is gone once stepscope has exited
+                os.killpg(proc.pid, signum)
+                signals += 1
+            time.sleep(0.005)
+        proc.wait(timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = proc.stderr.read()
+    time.sleep(0.2)  # the reader thread drains the rest of stdout
+    stdout = "".join(lines)
+    assert signals >= 2, signals
+    assert proc.returncode == 128 + signum, (proc.returncode, stderr)
+    assert json_path.exists(), f"no summary after {signals} group signals\n{stdout}\n{stderr}"
+    s = RunSummary.from_json(json_path)
+    reason = "terminated" if signum == signal.SIGTERM else "interrupted"
+    assert (s.exit.reason, s.exit.code) == (reason, 128 + signum), (s.exit, stderr)
+    assert s.steps.measured >= 3, s.steps
+    check_consistent(s)
+    assert "no process of the command reported a summary" not in stdout, stdout
+    if signum == signal.SIGTERM:  # repeats of SIGTERM are ignored once the script is exiting: no traceback at all
+        assert "Exception ignored" not in stderr and "Traceback" not in stderr, stderr
 
 
 # -- several ranks -----------------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,16 +146,13 @@ def _run(args: argparse.Namespace) -> int:
 
     target = _target(args.command, RUN_USAGE)
     config = _measure_config(args, stop=not args.no_stop)
+    _check_outputs(args, json="summary", html="report")
     started = time.time()
     code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
     _attach_trace(args, summary, started)
     sys.stdout.flush()
     print_summary(summary)
-    if args.json:
-        summary.to_json(args.json)
-        print(f"summary written to {args.json}")
-    if args.html:
-        _write_html(summary, args.html)
+    _save_summary(args, summary)
     return code
 
 
@@ -161,9 +160,9 @@ def _report(args: argparse.Namespace) -> int:
     summary = RunSummary.from_json(args.summary)
     if args.trace and not Path(args.trace).exists():
         raise UsageError(f"--trace {args.trace}: no such file or folder.")
+    _check_outputs(args, html="report")
     _attach_trace(args, summary)
-    _write_html(summary, args.html)
-    return 0
+    return 0 if _save("--html", args.html, "report", lambda path: _html_writer()(summary, path)) else 1
 
 
 def _attach_trace(args: argparse.Namespace, summary: RunSummary, since: float | None = None) -> None:
@@ -184,14 +183,55 @@ def _attach_trace(args: argparse.Namespace, summary: RunSummary, since: float | 
             print(f"stepscope: {note}", file=sys.stderr)
 
 
-def _write_html(summary: RunSummary, path: str) -> None:
+def _html_writer() -> Callable[[RunSummary, Path], Any]:
     from stepscope.report.html import write_html
 
+    return write_html
+
+
+def _save_summary(args: argparse.Namespace, summary: RunSummary) -> None:
+    """``--json`` and ``--html`` of a measuring verb, each on its own: one that fails does not stop the other."""
+    if args.json:
+        _save("--json", args.json, "summary", summary.to_json)
+    if args.html:
+        _save("--html", args.html, "report", lambda path: _html_writer()(summary, path))
+
+
+def _check_outputs(args: argparse.Namespace, **what: str) -> None:
+    """Check, before anything runs, that each output option given (``json="summary"`` checks ``--json``) can be
+    written: not a folder, its folder there or creatable, write permission. Raises UsageError naming the first
+    that cannot; creates missing parent folders."""
+    for name, thing in what.items():
+        path_text = getattr(args, name, None)
+        if not path_text:
+            continue
+        option, path = f"--{name.replace('_', '-')}", Path(path_text)
+        fail = f"{option} {path_text}: cannot write the {thing}"
+        if path.is_dir():
+            raise UsageError(f"{fail}: it is a folder (give a file name, e.g. {path / f'stepscope.{name}'}).")
+        blocker = next((p for p in path.parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise UsageError(f"{fail}: {blocker} is a file, not a folder.")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"{fail}: its folder cannot be created ({error.strerror}).") from None
+        if not os.access(path if path.exists() else path.parent, os.W_OK):
+            raise UsageError(f"{fail}: no write permission.")
+
+
+def _save(option: str, path_text: str, what: str, write: Callable[[Path], Any]) -> bool:
+    """Write one output after the work is done; returns whether it was written. A failure that the check before
+    the run could not foresee (a full disk, /dev/full) is one sentence on stderr: the other outputs are still
+    written and the exit code stays the script's."""
     try:
-        write_html(summary, path)
+        write(Path(path_text))
     except OSError as error:
-        raise UsageError(f"--html {path}: cannot write the report ({error.strerror}).") from None
-    print(f"report written to {path}")
+        reason = error.strerror or str(error)
+        print(f"stepscope: {option} {path_text}: could not write the {what} ({reason}).", file=sys.stderr)
+        return False
+    print(f"{what} written to {path_text}")
+    return True
 
 
 def _py_spy_out(path_text: str | None) -> Path | None:
@@ -227,6 +267,7 @@ def _dump(args: argparse.Namespace) -> int:
     from stepscope.instrument.pyspy import PySpyError
     from stepscope.instrument.stackdump import dump, format_report
 
+    _check_outputs(args, json="dump")
     try:
         report = dump(args.pid, samples=args.samples, interval_s=args.interval_s)
     except PySpyError as error:
@@ -237,13 +278,15 @@ def _dump(args: argparse.Namespace) -> int:
     return 1 if report.verdict == "hung" else 0
 
 
-def _write_json(path_text: str, data: Any, what: str) -> None:
+def _write_json(path_text: str, data: Any, what: str) -> bool:
+    """``--json``: ``data`` as indented JSON (see ``_save``); returns whether it was written."""
     import orjson
 
-    path = Path(path_text)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
-    print(f"{what} written to {path_text}")
+    def write(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+
+    return _save("--json", path_text, what, write)
 
 
 def _params(args: argparse.Namespace) -> int:
@@ -253,6 +296,7 @@ def _params(args: argparse.Namespace) -> int:
     from stepscope.report.terminal import print_params
 
     target = _target(args.command, PARAMS_USAGE)
+    _check_outputs(args, json="audit")
     config = RunConfig(
         out_dir="",
         warmup=0,
@@ -286,6 +330,7 @@ def _doctor(args: argparse.Namespace) -> int:
         audit_continue=True,
         ceiling_batches=args.ceiling_batches or None,
     )
+    _check_outputs(args, json="summary", html="report")
     started = time.time()
     code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
     summary.notes += notes
@@ -293,11 +338,7 @@ def _doctor(args: argparse.Namespace) -> int:
     examine(summary, lint)
     sys.stdout.flush()
     print_doctor(summary)
-    if args.json:
-        summary.to_json(args.json)
-        print(f"summary written to {args.json}")
-    if args.html:
-        _write_html(summary, args.html)
+    _save_summary(args, summary)
     return code
 
 
@@ -337,6 +378,7 @@ def _dataloader(args: argparse.Namespace) -> int:
         "sweep_warmup": min(args.warmup, 10),
         "loader": args.loader,
     }
+    _check_outputs(args, json="loader figures")
     config = RunConfig(out_dir="", warmup=0, steps=0, stop=False, system_interval_s=None, loader_job=job)
     code, summary = run(target, config)
     ranks = summary.ranks or [summary]
@@ -369,6 +411,21 @@ def _sample_hz(text: str) -> float:
     return value
 
 
+# Each checkpoint builds and writes a whole summary: more often than this, writing would become a cost of its own.
+MIN_CHECKPOINT_S = 1.0
+
+
+def _checkpoint_seconds(text: str) -> float:
+    """An argparse type: the checkpoint period in seconds, a finite number >= MIN_CHECKPOINT_S."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= MIN_CHECKPOINT_S):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= {MIN_CHECKPOINT_S:g}, got {text}")
+    return value
+
+
 class UsageError(Exception):
     """Bad command-line input: printed as one sentence, exit code 2."""
 
@@ -385,8 +442,9 @@ def _int_at_least(minimum: int) -> Any:
     return parse
 
 
-def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
-    """The options of the verbs that measure a run (run, doctor)."""
+def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_why: str) -> None:
+    """The options of the verbs that measure a run (run, doctor); ``sample_hz_why`` says why the verb's default
+    sampling rate is what it is."""
     verb.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
     verb.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop (default 200)")
     verb.add_argument("--json", metavar="PATH", help="write the RunSummary here")
@@ -394,9 +452,10 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
     verb.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
     verb.add_argument(
         "--checkpoint-s",
-        type=float,
+        type=_checkpoint_seconds,
         default=30.0,
-        help="each process writes its figures so far this often (s), so a killed process still leaves them",
+        help=f"each process writes its figures so far this often (s, at least {MIN_CHECKPOINT_S:g}; default 30), so "
+        "a killed process still leaves them",
     )
     verb.add_argument(
         "--sink",
@@ -416,7 +475,7 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float) -> None:
         type=_sample_hz,
         default=sample_hz,
         help=f"host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off "
-        f"(default {sample_hz:g})",
+        f"(default {sample_hz:g}; {sample_hz_why})",
     )
     verb.add_argument(
         "--py-spy",
@@ -459,10 +518,13 @@ def _trace(args: argparse.Namespace) -> int:
     from stepscope.analyses.trace.analyze import analyze_trace
     from stepscope.report.trace import print_trace
 
+    _check_outputs(args, json="trace analysis")
     missing = [p for p in args.paths if not Path(p).exists()]
     for path in missing:
         print(f"stepscope: {path}: no such file or folder", file=sys.stderr)
     present = [p for p in args.paths if p not in missing]
+    if not present:
+        return 1  # each path was named above; there is nothing to analyse
     analysis = analyze_trace(present, ranks=args.ranks, top=args.top, jobs=args.jobs)
     print_trace(analysis)
     if args.json:
@@ -512,6 +574,7 @@ def _ab(args: argparse.Namespace) -> int:
         variants = parse_variants(args.variant or [])
     except ValueError as error:
         raise UsageError(str(error)) from None
+    _check_outputs(args, json="A/B results")
     result = run_ab(variants, Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup))
     sys.stdout.flush()
     print_ab(result)
@@ -542,8 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="profile an unmodified training script (or a torchrun/accelerate command) and name the bottleneck",
         usage=RUN_USAGE,
+        description="Runs the script (or the launcher command and all its ranks) unmodified, times each training "
+        "step's phases after --warmup steps for --steps steps, then stops it (--no-stop lets it finish), and prints "
+        "the phase table, the throughput and the bottleneck. Exit code: the script's own; 2 for bad options.",
     )
-    _measure_options(run, sample_hz=1.0)
+    _measure_options(run, sample_hz=1.0, sample_hz_why="doctor samples at 4 Hz, for a short run's peak memory")
     run.add_argument("--no-stop", action="store_true", help="let the script run to its end")
     run.set_defaults(func=_run)
 
@@ -568,8 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="run the script, name the bottleneck with its evidence and rank the fixes by cost and gain",
         usage=DOCTOR_USAGE,
+        description="Measures the script as `stepscope run` does, audits its parameters in the first warm-up steps, "
+        "measures its DataLoader alone (--ceiling-batches), reads its settings and source, then names the "
+        "bottleneck with the figures that show it and ranks the fixes, cheapest first. Exit code: the script's own; "
+        "2 for bad options.",
     )
-    _measure_options(doctor, sample_hz=4.0)
+    _measure_options(doctor, sample_hz=4.0, sample_hz_why="run samples at 1 Hz; 4 gives a short run its peak memory")
     doctor.add_argument(
         "--ceiling-batches",
         type=_int_at_least(0),

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
+import numbers
 import os
 import platform
 import socket
@@ -22,6 +24,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from threading import get_ident
 from typing import Any, TypeVar
 
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
@@ -115,7 +118,8 @@ NO_COLLECTORS = _NoCollectors()
 
 
 class _HostPhase:
-    """A reusable context manager timing one named phase with the host clock; re-entrant via its stack."""
+    """A reusable context manager timing one named phase with the host clock; re-entrant via its stack: a phase
+    entered while it is already open is part of the open one, and only the outermost is counted."""
 
     __slots__ = ("_clock", "_name", "_scope", "_starts")
 
@@ -137,9 +141,11 @@ class _HostPhase:
         t1 = self._clock()
         scope = self._scope
         try:
-            elapsed = t1 - self._starts.pop()
+            starts = self._starts
+            elapsed = t1 - starts.pop()
             scope._depth -= 1
-            scope._add(self._name, elapsed)
+            if not starts:  # an inner entry of a phase still open is inside the outer one's time already
+                scope._add(self._name, elapsed)
         except Exception as error:
             scope._fail(error)
         return False
@@ -192,6 +198,9 @@ class _CudaPhase(_HostPhase):
 
     def __enter__(self) -> None:
         super().__enter__()
+        if len(self._starts) > 1:  # re-entered while open: the outer entry's events time it
+            self._events.append(None)
+            return
         try:
             self._events.append(self._scope._device.start())
         except Exception as error:
@@ -247,6 +256,9 @@ class _TimedIterable:
         scope = self._scope
         clock = scope._clock
         iterator = iter(self._iterable)
+        if get_ident() != scope._thread and not scope._claim("data"):
+            yield from iterator  # iterated on another thread: its fetches are not the training loop's wait
+            return
         while True:
             t0 = clock()
             if scope._step_start_ns is None:
@@ -375,6 +387,11 @@ class Scope:
         self._phase_type: type[_HostPhase] = _HostPhase
         self._iterable_type: type[_TimedIterable] = _TimedIterable
         self._step_start_ns: int | None = None
+        # The thread whose phases and steps are recorded: the first to use the scope. Another thread's calls are
+        # ignored (a phase there would overlap the loop's and count its time twice), with one warning and a note.
+        self._thread: int | None = None
+        self._one_thread = True  # False: any thread's calls count (`enabled_scope`: the hooks sort threads out)
+        self._ignored: dict[str, list[Any]] = {}  # kind of ignored call -> [calls, why the first was ignored]
         self._depth = 0
         self._current: dict[str, int] = {}
         self._claimed_ns = 0
@@ -392,11 +409,20 @@ class Scope:
     def phase(self, name: str) -> _HostPhase:
         """A context manager timing ``name`` (canonical: data_wait, h2d, forward, backward, clip, optimizer,
         zero_grad, sync; any other name is a custom phase). Phases may nest; a nested phase's time stays in
-        its parent's share and is reported separately. A phase whose body raises still closes."""
-        phase = self._phases.get(name)
-        if phase is None:
-            kind = _EvalPhase if name == EVAL_PHASE else self._phase_type
-            phase = self._phases[name] = kind(self, name)
+        its parent's share and is reported separately. A phase entered while it is already open is part of the
+        open one (counted once). A phase whose body raises still closes. Only the thread that first used the scope
+        is timed: a phase opened on another thread is a no-op (one warning, and a note in the summary)."""
+        if get_ident() != self._thread and not self._claim("phase"):
+            return NULL_PHASE  # type: ignore[return-value]
+        return self._phases.get(name) or self._new_phase(name)
+
+    def _phase_any_thread(self, name: str) -> _HostPhase:
+        """``phase`` without the thread rule, for a scope driven by stepscope's own hooks (`enabled_scope`)."""
+        return self._phases.get(name) or self._new_phase(name)
+
+    def _new_phase(self, name: str) -> _HostPhase:
+        kind = _EvalPhase if name == EVAL_PHASE else self._phase_type
+        phase = self._phases[name] = kind(self, name)
         return phase
 
     def data(self, iterable: Iterable[T]) -> Iterable[T]:
@@ -404,8 +430,21 @@ class Scope:
         return self._iterable_type(self, iterable)
 
     def step(self, batch_size: int | None = None) -> None:
-        """Close the current step; ``batch_size`` (samples) enables samples/s."""
+        """Close the current step; ``batch_size`` (samples, a finite number >= 0) enables samples/s. A negative,
+        NaN, infinite or non-numeric batch size is dropped (the step counts without samples), with one warning and
+        a note in the summary; so is a step closed from another thread than the scope's."""
         t1 = self._clock()
+        if get_ident() != self._thread and not self._claim("step"):
+            return
+        self._record_step(t1, batch_size)
+
+    def _step_any_thread(self, batch_size: int | None = None) -> None:
+        """``step`` without the thread rule, for a scope driven by stepscope's own hooks (`enabled_scope`)."""
+        self._record_step(self._clock(), batch_size)
+
+    def _record_step(self, t1: int, batch_size: int | None) -> None:
+        if batch_size is not None and not (type(batch_size) is int and batch_size >= 0):
+            batch_size = self._checked_batch(batch_size)
         try:
             self._close_step(t1, batch_size)
         except Exception as error:
@@ -505,6 +544,8 @@ class Scope:
         summary.verdict = classify(summary)  # the same rules as the CLI's: one place decides
         if self._failed:
             summary.notes.append(f"measurement stopped early after an internal error: {self._failed}")
+        for calls, why in list(self._ignored.values()):
+            summary.notes.append(f"ignored {calls:,} call(s) like {why}")
         return summary
 
     def print_table(self, file: Any = None) -> None:
@@ -716,6 +757,43 @@ class Scope:
                     continue
         return name
 
+    def _claim(self, call: str) -> bool:
+        """On a thread other than the scope's (the slow path): the first thread to use the scope becomes its
+        thread (True); any other one is refused (False), with one warning."""
+        thread = get_ident()
+        if self._thread is None or not self._one_thread:
+            self._thread = thread
+            return True
+        if thread == self._thread:
+            return True
+        self._ignore(
+            "thread",
+            f"scope.{call}() on a thread other than the one the scope times: a Scope records one training loop, and "
+            "phases from two threads would overlap and be counted twice (use one Scope per thread)",
+        )
+        return False
+
+    def _checked_batch(self, batch_size: Any) -> float | None:
+        """``batch_size`` as a sample count, or None (with one warning) when it is not a finite number >= 0."""
+        number = isinstance(batch_size, numbers.Real) and not isinstance(batch_size, bool)
+        if number and math.isfinite(batch_size) and batch_size >= 0:
+            return int(batch_size) if isinstance(batch_size, numbers.Integral) else float(batch_size)
+        self._ignore(
+            "batch_size",
+            f"scope.step(batch_size={batch_size!r:.40}): a batch size is a finite number of samples >= 0, so the "
+            "step counts without samples",
+        )
+        return None
+
+    def _ignore(self, kind: str, why: str) -> None:
+        """Count an ignored call of ``kind``; warn (saying ``why``) the first time."""
+        seen = self._ignored.get(kind)
+        if seen is None:
+            log.warning("stepscope: ignored %s.", why)
+            self._ignored[kind] = [1, why]
+        else:
+            seen[0] += 1
+
     def _fail(self, error: BaseException) -> None:
         """Stop measuring after an internal error; the training loop must go on."""
         if self._failed is None:
@@ -783,9 +861,13 @@ class _Closed:
 
 def enabled_scope(**kwargs: Any) -> Scope:
     """An enabled Scope whatever ``STEPSCOPE`` says: the one ``stepscope run`` builds for a script it was asked to
-    measure (the variable still governs any Scope the script makes itself)."""
+    measure (the variable still governs any Scope the script makes itself). Its phases and steps count from any
+    thread: hooks drive it, and the tracker decides which thread's events are the loop's."""
     scope = object.__new__(Scope)
     scope.__init__(**kwargs)
+    scope._one_thread = False
+    scope.phase = scope._phase_any_thread  # type: ignore[method-assign]
+    scope.step = scope._step_any_thread  # type: ignore[method-assign]
     return scope
 
 

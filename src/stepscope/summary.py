@@ -8,6 +8,9 @@ file that is not a stepscope summary, is refused with a sentence that says what 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +159,11 @@ class Exit:
     reason: str = "finished"
     code: int | None = None
     error: str | None = None
+    at: float | None = None  # Unix time (s) of the failure: the error, the signal (None for finished/stopped)
+    # Where the training thread waited when checkpoints found no step closed for --checkpoint-s: since (Unix time of
+    # the last step closed), steps, where (file:line), code, calls, collective, stack (see instrument/checkpoint.py)
+    hung: dict[str, Any] | None = None
+    cause_rank: int | None = None  # merged runs: the rank that failed first (the others' failures follow from it)
 
 
 @dataclass
@@ -261,34 +269,14 @@ class RunSummary:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise SummaryError(f"{source} has fields that summary schema {SCHEMA_VERSION} does not know: {unknown}.")
+        ranks = data.get("ranks", [])
         try:
-            summary = cls(
-                steps=_build(Steps, data.get("steps", {})),
-                phases={name: _build(PhaseStats, p) for name, p in data.get("phases", {}).items()},
-                throughput=_build(Throughput, data.get("throughput", {})),
-                verdict=_build(Verdict, data.get("verdict", {})),
-                fixes=[_build(Fix, f) for f in data.get("fixes", [])],
-                system=dict(data.get("system", {})),
-                ranks=[cls.from_dict(r, source=f"{source} (a rank)") for r in data.get("ranks", [])],
-                meta=_build(Meta, data.get("meta", {})),
-                notes=list(data.get("notes", [])),
-                loaders=[_build(LoaderInfo, x) for x in data.get("loaders", [])],
-                epochs=[_build(Epoch, x) for x in data.get("epochs", [])],
-                counters=dict(data.get("counters", {})),
-                exit=None if data.get("exit") is None else _build(Exit, data["exit"]),
-                cluster=None if data.get("cluster") is None else _cluster(data["cluster"]),
-                params=list(data.get("params", [])),
-                facts=dict(data.get("facts", {})),
-                dataloader=dict(data.get("dataloader", {})),
-                series=None if data.get("series") is None else _build(StepSeries, data["series"]),
-                pipeline=dict(data.get("pipeline", {})),
-                trace=dict(data.get("trace", {})),
-                eval=dict(data.get("eval", {})),
-                hotspots=dict(data.get("hotspots", {})),
-                schema_version=version,
-            )
-        except (TypeError, AttributeError) as exc:
-            raise SummaryError(f"{source} does not match summary schema {SCHEMA_VERSION}: {exc}.") from exc
+            if not isinstance(ranks, list):
+                raise _Mismatch(f"ranks should be a list, got {_shown(ranks)}")
+            summary = _build(cls, {**data, "ranks": [], "schema_version": version}, "")
+        except _Mismatch as exc:
+            raise SummaryError(f"{source} does not match summary schema {SCHEMA_VERSION}: {exc}.") from None
+        summary.ranks = [cls.from_dict(r, source=f"{source} (rank entry {i})") for i, r in enumerate(ranks)]
         _check_vocabulary(summary, source)
         return summary
 
@@ -317,22 +305,70 @@ def _check_vocabulary(summary: RunSummary, source: str) -> None:
             raise SummaryError(f"{source}: fix {fix.id!r} has an unknown cost {fix.cost!r} (one of {COSTS}).")
 
 
-def _cluster(data: dict[str, Any]) -> Cluster:
-    data = dict(data)
-    straggler = data.pop("straggler", None)
-    cluster = _build(Cluster, data)
-    cluster.straggler = None if straggler is None else _build(Straggler, straggler)
-    return cluster
+class _Mismatch(ValueError):
+    """A value of a loaded summary that does not fit its field's type; the message names the field's path."""
 
 
-def _build(cls: type, data: Any) -> Any:
+_NAMES = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """An instance of dataclass ``cls`` from a JSON object, every field checked against its type hint."""
+    where = path or "the summary"
     if not isinstance(data, dict):
-        raise TypeError(f"{cls.__name__} must be an object, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+        raise _Mismatch(f"{where} should be an object ({cls.__name__}), got {_shown(data)}")
+    hints = _hints(cls)
+    unknown = sorted(set(data) - set(hints))
     if unknown:
-        raise TypeError(f"{cls.__name__} has unknown fields {unknown}")
-    return cls(**data)
+        raise _Mismatch(f"{where} ({cls.__name__}) has unknown fields {unknown}")
+    prefix = f"{path}." if path else ""
+    values = {name: _typed(value, hints[name], prefix + name) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field is missing: the constructor names it
+        raise _Mismatch(f"{where}: {exc}") from None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _typed(value: Any, hint: Any, path: str) -> Any:
+    """``value`` checked against the type ``hint`` of the field at ``path`` (ints stand for floats, not bools)."""
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]  # the schema's unions: X | None
+        return _typed(value, inner, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch(f"{path} should be a list, got {_shown(value)}")
+        (item,) = typing.get_args(hint)
+        return [_typed(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch(f"{path} should be an object, got {_shown(value)}")
+        _, item = typing.get_args(hint)  # keys are strings: JSON has no others
+        return {key: _typed(v, item, f"{path}.{key}") for key, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    kind = type(value)  # exact types: True is no number here, 1 no boolean
+    if hint is float and (kind is float or kind is int):
+        return float(value)
+    if hint is int and kind is float and value.is_integer():  # JSON does not tell 5 from 5.0
+        return int(value)
+    if kind is hint:
+        return value
+    raise _Mismatch(f"{path} should be {_NAMES.get(hint, hint)}, got {_shown(value)}")
 
 
 def _add_facts(data: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def _start(config: Any) -> None:
         _warn("could not install the training hooks", error)
         return
     _state["tracker"] = tracker
-    tracker.on_checkpoint = lambda: _write(tracker, final=False)
+    _start_checkpoints(tracker)
     atexit.register(_write, tracker, True)
     _chain_excepthook(tracker)
     # Only where nobody else handles SIGTERM, and only from the main thread (signal() refuses elsewhere).
@@ -117,7 +118,28 @@ def _start(config: Any) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def _start_checkpoints(tracker: Any) -> None:
+    """Checkpoints every --checkpoint-s seconds from a thread, at a step boundary when one comes in time."""
+    try:
+        from stepscope.instrument.checkpoint import Checkpoints
+
+        checkpoints = Checkpoints(
+            tracker, lambda: _write(tracker, final=False), tracker.config.checkpoint_s, threading.main_thread().ident
+        )
+        tracker.on_checkpoint = checkpoints.on_step
+        checkpoints.start()
+        _state["checkpoints"] = checkpoints
+    except Exception as error:
+        _warn("could not start the checkpoints", error, "the summary is written at exit only")
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _state.get("terminating"):
+        # A copy of the same request: a signal to the process group reaches this process and `stepscope run`,
+        # which passes its own on. The process is already on its way out; raising again would cut its exit
+        # handlers (the summary write among them) short.
+        return
+    _state["terminating"] = True
     tracker = _state.get("tracker")
     if tracker is not None and tracker.outcome is None:
         tracker.outcome = Exit(reason="terminated", code=128 + signum, error="SIGTERM")
@@ -130,9 +152,9 @@ def _chain_excepthook(tracker: Any) -> None:
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if tracker.outcome is None:
             if issubclass(kind, KeyboardInterrupt):
-                tracker.outcome = Exit(reason="interrupted", code=130, error="KeyboardInterrupt")
+                tracker.outcome = Exit(reason="interrupted", code=130, error="KeyboardInterrupt", at=time.time())
             else:
-                tracker.outcome = Exit(reason="error", code=1, error=f"{kind.__name__}: {value}")
+                tracker.outcome = Exit(reason="error", code=1, error=f"{kind.__name__}: {value}", at=time.time())
         previous(kind, value, tb)  # the script's traceback, printed as Python prints it
 
     sys.excepthook = excepthook
@@ -174,19 +196,58 @@ def _rank_meta() -> tuple[int | None, int | None, int | None]:
 
 
 def _write(tracker: Any, final: bool) -> None:
-    """Write this process's summary into the run folder (atomically: a reader never sees half a file)."""
+    """Write this process's summary into the run folder (atomically: a reader never sees half a file). The final
+    write ignores SIGTERM and SIGINT while it runs: the process is exiting already, and a second signal (the copy a
+    process-group signal sends through `stepscope run`, a scheduler's repeat) would otherwise lose the figures."""
     config = tracker.config
     is_script = not config.launcher and os.getppid() == config.parent_pid
     if not (tracker.trained or is_script):
         return  # a launcher, a loader worker, a compile worker: nothing to say
+    shielded = _ignore_exit_signals() if final else {}
+    try:
+        _write_summary(tracker, final)
+    finally:
+        for signum, handler in shielded.items():
+            signal.signal(signum, handler)
+
+
+def _ignore_exit_signals() -> dict[int, Any]:
+    """Ignore SIGTERM and SIGINT (from the main thread only: signal() refuses elsewhere); returns the handlers to
+    put back. Ignored, not blocked: a signal that arrives meanwhile is dropped rather than delivered afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(signum)
+        if handler is not None:  # None: set from outside Python, cannot be put back
+            previous[signum] = signal.signal(signum, signal.SIG_IGN)
+    return previous
+
+
+def _mark_failure(end: Exit) -> None:
+    """Where the training thread is stalled (``exit.hung``, while it is), and when the process failed (``exit.at``,
+    Unix seconds) if the exit hook did not say."""
+    if end.reason in ("finished", "stopped"):
+        return  # it ended on its own: whatever it waited for came
+    checkpoints = _state.get("checkpoints")
+    end.hung = checkpoints.stall() if checkpoints is not None else None
+    if end.at is None and end.reason != "running":
+        end.at = time.time()
+
+
+def _write_summary(tracker: Any, final: bool) -> None:
+    config = tracker.config
     try:
         if final:
+            if "checkpoints" in _state:
+                _state["checkpoints"].stop()  # no checkpoint may replace the final summary
             tracker.scope.close()  # the system sampler's last figures
         summary = tracker.summary(drain=final)
         rank, local_rank, world = _rank_meta()
         summary.meta.rank, summary.meta.local_rank, summary.meta.world_size = rank, local_rank, world
         if not final:
             summary.exit = Exit(reason="running")
+        _mark_failure(summary.exit)
         out = Path(config.out_dir)
         path = out / f"rank{rank if rank is not None else 0}-pid{os.getpid()}.json"
         tmp = path.with_suffix(".tmp")

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,19 +77,23 @@ def _child_env(config: RunConfig, extra: dict[str, str] | None = None) -> dict[s
 def _wait(process: subprocess.Popen[bytes] | RecordedProcess) -> int:
     """Wait for the command, and live to report. A SIGTERM sent to stepscope is passed on to the command. At a
     terminal, Ctrl-C reaches the command directly (same process group), so stepscope ignores its own copy;
-    without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too."""
+    without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too.
+
+    Once the command has ended, stepscope ignores SIGTERM and SIGINT for the rest of its life: all that is left is
+    to merge and report what the command wrote, and the exit code is the command's anyway. A signal to the whole
+    process group (``timeout``, schedulers, CI cancellation) often comes again; it must not cost the report."""
 
     def forward(signum: int, frame: object) -> None:
         process.send_signal(signum)
 
     interactive = sys.stdin is not None and sys.stdin.isatty()
-    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN if interactive else forward)
-    previous_term = signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if interactive else forward)
+    signal.signal(signal.SIGTERM, forward)
     try:
         code = process.wait()
     finally:
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
 
 
@@ -108,6 +113,17 @@ def _rank_pids(out_dir: Path) -> dict[int, int]:
     return {int(match[2]): int(match[1]) for match in found if match}
 
 
+def _killed_early_note(code: int, ran_s: float, checkpoint_s: float) -> str:
+    """Why a command killed by a signal left no figures: a process writes them at exit (which a kill skips) and at
+    checkpoints, and none was due yet."""
+    return (
+        f"no figures survived: the command was killed by signal {code - 128} after {ran_s:.1f} s, before any of its "
+        f"processes wrote a checkpoint. A process writes its figures when it exits (a kill skips that) and every "
+        f"--checkpoint-s ({checkpoint_s:g} s) after it imports torch, so the first was due "
+        f"{checkpoint_s:g} s into its run; a smaller --checkpoint-s keeps figures from runs killed that early."
+    )
+
+
 def run(
     target: Target, config: RunConfig, py_spy: Path | None = None, env: dict[str, str] | None = None
 ) -> tuple[int, RunSummary]:
@@ -118,6 +134,7 @@ def run(
     config = dataclasses.replace(config, out_dir=str(out_dir), launcher=target.launcher, parent_pid=os.getpid())
     try:
         child_env = _child_env(config, env)
+        started = time.monotonic()
         try:
             process: subprocess.Popen[bytes] | RecordedProcess
             if py_spy is None:
@@ -127,6 +144,7 @@ def run(
         except OSError as error:
             raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
         code = _wait(process)
+        ran_s = time.monotonic() - started
         summaries, notes = _read_ranks(out_dir)
         if isinstance(process, RecordedProcess):
             print(process.finish(_rank_pids(out_dir) if target.launcher else {}), file=sys.stderr)
@@ -134,12 +152,18 @@ def run(
         shutil.rmtree(out_dir, ignore_errors=True)
     if summaries:
         summary = merge(summaries)
+    elif code > 128:
+        summary = RunSummary(notes=[_killed_early_note(code, ran_s, config.checkpoint_s)])
+        summary.meta.command = " ".join(target.argv)
+        summary.exit = Exit(
+            reason="killed", error=f"killed by signal {code - 128} after {ran_s:.1f} s; no figures survived"
+        )
     else:
         summary = RunSummary(
             notes=[
                 "no process of the command reported a summary: it ended before importing torch, or no process "
                 "ran a training step (with a launcher, only processes that call backward() or optimizer.step() "
-                "report)."
+                "report), or it left with os._exit(), which skips the exit handlers that write the figures."
             ]
         )
         summary.meta.command = " ".join(target.argv)
@@ -148,7 +172,9 @@ def run(
     if exit_info.reason == "running":
         # Only a checkpoint survived: the process never reached its exit handlers.
         how = f"killed by signal {code - 128}" if code > 128 else f"ended with code {code} before writing its summary"
-        exit_info = Exit(reason="killed", error=f"{how}; figures up to its last checkpoint")
+        # Keep where a stalled process waited (exit.hung), and a merged run's first failure: why it was killed.
+        error = exit_info.error if exit_info.cause_rank is not None else f"{how}; figures up to its last checkpoint"
+        exit_info = dataclasses.replace(exit_info, reason="killed", error=error)
     elif exit_info.reason == "finished" and code != 0:
         exit_info = Exit(reason="error", error=exit_info.error or f"the command exited with code {code}")
     summary.exit = dataclasses.replace(exit_info, code=code)

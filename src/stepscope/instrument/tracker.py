@@ -490,15 +490,23 @@ class Tracker:
         if scope._failed:
             self.stop_tracking()
             return
+        if self.on_checkpoint is not None and self._clock() - self._last_checkpoint_ns > self.config.checkpoint_s * 1e9:
+            self._checkpoint(self.on_checkpoint)
         if open_phases:
             self._open_segment(scope._step_start_ns or self._clock())
-        if self.on_checkpoint is not None and self._clock() - self._last_checkpoint_ns > self.config.checkpoint_s * 1e9:
-            self._last_checkpoint_ns = self._clock()
-            self.on_checkpoint()
         if self.config.stop and scope._recorder.measured >= self.config.steps:
             self.stop_tracking()
             self._measure_ceiling()
             self._stop_at_next_event()
+
+    def _checkpoint(self, write: Callable[[], None]) -> None:
+        """Write the figures so far (``on_checkpoint``) between two steps. The write is stepscope's time, not the
+        script's: the next step's clock starts once it is done."""
+        write()
+        now = self._clock()
+        self._last_checkpoint_ns = now
+        if self.scope._step_start_ns is not None:
+            self.scope._step_start_ns = now
 
     def _stop_at_next_event(self) -> None:
         """The requested steps are measured: end the script with StopRun at the next step's first event (a fetch,

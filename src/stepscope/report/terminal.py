@@ -7,8 +7,8 @@ read as rich markup.
 
 from __future__ import annotations
 
-import functools
 import os
+import re
 import sys
 import textwrap
 from typing import IO
@@ -38,6 +38,18 @@ def _plain(console: Console) -> bool:
     return console.color_system is None
 
 
+# C0 and C1 controls (escape sequences, newlines, tabs, carriage returns, backspace), line and paragraph separators,
+# and the bidirectional overrides that can make a line read differently from what it holds
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: object) -> str:
+    """``text`` made safe for one terminal line: each control character (ESC, a newline, a carriage return...)
+    is shown as its escape (``\\x1b``, ``\\n``), so a string from a run (a command, an error, a file or kernel
+    name) can neither move the cursor, recolour the terminal nor forge a line of the report."""
+    return _UNSAFE.sub(lambda match: repr(match.group())[1:-1], str(text))
+
+
 def _fmt_ms(value: float | None) -> str:
     if value is None:
         return "-"
@@ -55,7 +67,7 @@ def phase_table(summary: RunSummary, ascii_only: bool = False) -> Table:
         table.add_column("gpu mean ms", justify="right")
         table.add_column("gpu share", justify="right")
     for name, stats in summary.phases.items():
-        label = escape(f"  {name}" if stats.nested else name)
+        label = escape(terminal_safe(f"  {name}" if stats.nested else name))
         row = [
             label,
             _fmt_ms(stats.mean_ms),
@@ -126,7 +138,7 @@ def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
     table.add_column("rank")
     table.add_column("step ms", justify="right")
     for name in names:
-        table.add_column(f"{escape(name)} ms", justify="right")
+        table.add_column(f"{escape(terminal_safe(name))} ms", justify="right")
     table.add_column("samples/s", justify="right")
     for rank in summary.ranks:
         phases = rank.phases
@@ -145,6 +157,17 @@ def exit_line(summary: RunSummary) -> str | None:
     if end is None:
         return None
     code = "" if end.code is None else f" (exit code {end.code})"
+    if end.cause_rank is not None and end.reason not in ("stopped", "finished"):
+        # Several ranks failed: the first in time is the cause, the others' errors follow from it.
+        after = [
+            str(r.meta.rank)
+            for r in summary.ranks
+            if r.exit
+            and r.meta.rank != end.cause_rank
+            and (r.exit.hung or r.exit.reason not in ("finished", "stopped"))
+        ]
+        then = f"; rank {', '.join(after)} failed after it" if after else ""
+        return f"the run failed: first {end.error}{then}{code}; the figures are from the steps before the failure"
     if end.reason == "stopped":
         return f"stopped after {summary.steps.measured} measured steps{code}; --no-stop lets the script finish"
     if end.reason == "error":
@@ -163,10 +186,11 @@ def pipeline_line(pipeline: dict) -> str:
         return "-" if value is None else f"{value:.1f}/s"
 
     wait = pipeline.get("dispatch_wait_s")
+    pool = pipeline.get("pool")  # null in summaries written before pool_put refused NaN
     return (
         f"pipeline: thru {rate(pipeline.get('thru'))} · inference capacity {rate(pipeline.get('infer_capacity'))} · "
         f"training capacity {rate(pipeline.get('train_capacity'))} · wait "
-        f"{'-' if wait is None else f'{wait * 1e3:.0f} ms'}/step · pool {pipeline.get('pool', 0):.0f} · "
+        f"{'-' if wait is None else f'{wait * 1e3:.0f} ms'}/step · pool {'-' if pool is None else f'{pool:.0f}'} · "
         f"bottleneck {pipeline.get('bottleneck', 'unknown')}"
     )
 
@@ -213,27 +237,30 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
     console = _console(file)
     timing = "CUDA events (gpu columns) + host clock" if summary.meta.timing == "cuda" else "host clock"
     console.print(
-        f"stepscope · {summary.meta.command or 'run'} · {summary.meta.device} · timing: {timing}", markup=False
+        terminal_safe(f"stepscope · {summary.meta.command or 'run'} · {summary.meta.device} · timing: {timing}"),
+        markup=False,
     )
     if summary.phases:
         console.print(phase_table(summary, ascii_only=_plain(console)))
         for line in hotspot_lines(summary):
-            console.print(line, markup=False)
-        console.print(throughput_line(summary), markup=False)
+            console.print(terminal_safe(line), markup=False)
+        console.print(terminal_safe(throughput_line(summary)), markup=False)
         line = eval_line(summary)
         if line:
-            console.print(line, markup=False)
+            console.print(terminal_safe(line), markup=False)
         verdict = summary.verdict
         contention, rest = split_contention(verdict.evidence)
         evidence = f" ({'; '.join(rest)})" if rest else ""
         if verdict_line:
-            console.print(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}", markup=False)
+            console.print(
+                terminal_safe(f"bound: {verdict.bound} [confidence {verdict.confidence}]{evidence}"), markup=False
+            )
             if contention:
-                console.print(f"contention: {contention}", markup=False)
+                console.print(terminal_safe(f"contention: {contention}"), markup=False)
     if summary.pipeline:
-        console.print(pipeline_line(summary.pipeline), markup=False)
+        console.print(terminal_safe(pipeline_line(summary.pipeline)), markup=False)
     for line in trace_lines(summary.trace):
-        console.print(line, markup=False)
+        console.print(terminal_safe(line), markup=False)
     if summary.ranks:
         cluster = summary.cluster
         console.print(f"ranks: {len(summary.ranks)} of {cluster.world_size if cluster else '?'} reported", markup=False)
@@ -241,12 +268,12 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
         if cluster and cluster.straggler:
             s = cluster.straggler
             line = f"straggler: rank {s.rank}, {s.phase} +{s.excess_ms:.1f} ms over the median of the other ranks"
-            console.print(line, markup=False)
+            console.print(terminal_safe(line), markup=False)
     line = exit_line(summary)
     if line:
-        console.print(line, markup=False)
+        console.print(terminal_safe(line), markup=False)
     for note in summary.notes:
-        console.print(f"note: {note}", markup=False)
+        console.print(terminal_safe(f"note: {note}"), markup=False)
 
 
 def _param_section(console: Console, title: str, items: list[dict], ascii_only: bool) -> None:
@@ -269,7 +296,12 @@ def _param_section(console: Console, title: str, items: list[dict], ascii_only: 
                 name += f" (also {', '.join(item['aliases'])})"
             if item.get("reached_steps") is not None:
                 name += f" [reached in {item['reached_steps']} pass(es)]"
-            table.add_row(escape(module), escape(name), f"{item['numel']:,}", total if row == 0 else "")
+            table.add_row(
+                escape(terminal_safe(module)),
+                escape(terminal_safe(name)),
+                f"{item['numel']:,}",
+                total if row == 0 else "",
+            )
     console.print(table)
 
 
@@ -283,7 +315,7 @@ def print_params(result: dict, summary: RunSummary, include_zero_grad: bool, fil
     if not result.get("models"):
         console.print("stepscope params: no model with parameters was called; there is nothing to audit.", markup=False)
         if line:
-            console.print(line, markup=False)
+            console.print(terminal_safe(line), markup=False)
         return
     ranks = f", union over {len(result['ranks'])} ranks" if "ranks" in result else ""
     wrapped = f" (in {' in '.join(result['wrapped_in'])})" if result.get("wrapped_in") else ""
@@ -309,10 +341,10 @@ def print_params(result: dict, summary: RunSummary, include_zero_grad: bool, fil
     audit = ParamAudit(
         result["model"], result["steps"], result["used_count"], **lists, ddp_find_unused=result["ddp_find_unused"]
     )
-    console.print(f"tip: {audit.advice}", markup=False)
+    console.print(terminal_safe(f"tip: {audit.advice}"), markup=False)
     ddp = {True: "sets find_unused_parameters=True", False: "sets find_unused_parameters=False"}
     wrapped = ddp.get(result["ddp_find_unused"], "does not wrap this model in DistributedDataParallel")
-    console.print(f"DDP: the script {wrapped}.", markup=False)
+    console.print(terminal_safe(f"DDP: the script {wrapped}."), markup=False)
     for other in result["models"][1:]:
         console.print(
             f"also audited: {other['model']} ({other['total_count']} tensors): {len(other['unused'])} unused, "
@@ -320,7 +352,7 @@ def print_params(result: dict, summary: RunSummary, include_zero_grad: bool, fil
             markup=False,
         )
     if line and summary.exit and summary.exit.reason != "stopped":
-        console.print(line, markup=False)
+        console.print(terminal_safe(line), markup=False)
 
 
 def gain_text(fix: Fix) -> str:
@@ -336,7 +368,7 @@ def fix_table(summary: RunSummary, ascii_only: bool = False) -> Table:
     table.add_column("numerics", justify="left")
     for rank, fix in enumerate(summary.fixes, 1):
         numerics = "changes" if fix.changes_numerics else ""
-        table.add_row(str(rank), fix.id, escape(fix.title), fix.cost, gain_text(fix), numerics)
+        table.add_row(str(rank), fix.id, escape(terminal_safe(fix.title)), fix.cost, gain_text(fix), numerics)
     return table
 
 
@@ -348,7 +380,7 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
     verdict = summary.verdict
     console.print(f"\nverdict: {verdict.bound} (confidence {verdict.confidence})", markup=False)
     for line in verdict.evidence:
-        console.print(f"  - {line}", markup=False)
+        console.print(terminal_safe(f"  - {line}"), markup=False)
     if not summary.fixes:
         console.print("\nno fix applies to what was measured.", markup=False)
         return
@@ -356,14 +388,14 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
     console.print(fix_table(summary, ascii_only=_plain(console)))
     for rank, fix in enumerate(summary.fixes, 1):
         gain = f"{gain_text(fix)} of {fix.gain_basis} time" if fix.gain_bound is not None else "gain not bounded"
-        console.print(f"\n{rank}. {fix.title} [{fix.id} · {fix.cost} · {gain}]", markup=False)
+        console.print(f"\n{rank}. {terminal_safe(fix.title)} [{fix.id} · {fix.cost} · {gain}]", markup=False)
         lines = [f"why: {fix.why}", *(f"seen: {line}" for line in fix.evidence), f"how: {fix.how}"]
         if fix.gain_reason:
             lines.append(f"bound: {fix.gain_reason}")
         if fix.changes_numerics:
             lines.append("note: this changes the numerics of training; check the loss curve.")
         for line in lines:  # wrapped lines stay indented under their label
-            for part in textwrap.wrap(line, width=max(40, console.width - 3), subsequent_indent="  "):
+            for part in textwrap.wrap(terminal_safe(line), width=max(40, console.width - 3), subsequent_indent="  "):
                 console.print("   " + part, markup=False)
 
 
@@ -380,7 +412,10 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
     """Print `stepscope dataloader`'s report: the loader's ceiling and fetch times, per-rank figures, the
     comparison with training, and the sweep table with the best setting."""
     console = _console(file)
-    say = functools.partial(console.print, markup=False)
+
+    def say(text: str) -> None:
+        console.print(terminal_safe(text), markup=False)
+
     loader = result.get("loader")
     ranks = result.get("ranks", [])
     head = ranks[0] if ranks else {}
@@ -395,7 +430,7 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
             say(f"rank {rank['rank']}: the loader could not be measured: {rank['error']}")
     if loader is None:
         line = exit_line(summary)
-        if line:
+        if line and summary.exit and summary.exit.reason != "stopped":  # stepscope stopped it: nothing to tell
             say(line)
         for note in summary.notes:
             say(f"note: {note}")
