@@ -422,12 +422,13 @@ def test_a_busy_child_is_counted_as_workers_not_as_the_main_process():
     host = system["host"]
     assert truth >= 1.0
     # All of the child's CPU but its last partial interval (<= 50 ms) is the workers'.
+    # (The CPU seconds are the ground truth whatever else loads the machine; a percentage of wall time is not.)
     assert truth - 0.15 <= workers_cpu_s(system) <= truth * 1.05 + 0.02, (truth, host)
-    assert host["workers_cpu_util_pct"] > 50, host
     assert host["cpu_util_pct"] < 30, host
     assert host["workers_max"] == 1 and 0.5 < host["workers_busy_avg"] <= 1.0
     assert max(host["per_core_util_pct_avg"]) > 30
-    assert max(system["timeline"]["workers_cpu_util_pct"]) > 50
+    # The timeline holds the readings the figure averages: its peak cannot be below their mean.
+    assert max(system["timeline"]["workers_cpu_util_pct"]) >= 0.9 * host["workers_cpu_util_pct"] > 0
 
 
 def test_children_started_later_grandchildren_and_exited_ones_are_handled():
@@ -446,19 +447,19 @@ def test_children_started_later_grandchildren_and_exited_ones_are_handled():
     assert system["host"]["workers_max"] >= 2
     # Each of the three processes may lose its last partial interval when it exits.
     assert truth - 0.25 <= workers_cpu_s(system) <= truth * 1.05 + 0.02, (truth, system["host"])
-    assert system["host"]["workers_cpu_util_pct"] > 30, system["host"]
     assert system["host"]["cpu_util_pct"] < 30
     assert not any("host collector stopped" in n for n in system["notes"])
 
 
 def test_tree_rss_grows_when_a_child_allocates():
     base_mb = psutil.Process().memory_info().rss / 2**20
-    code = "import time\nblock = b'x' * (300 << 20)\ntime.sleep(1.2)\n"
+    code = "import sys, time\nblock = b'x' * (300 << 20)\nprint('allocated', flush=True)\nsys.stdin.read()\n"
     handle = start_collectors(interval_s=0.05)
-    child = subprocess.Popen([sys.executable, "-c", code])
-    time.sleep(1.0)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "allocated\n"  # however long a loaded machine takes to get there
+    time.sleep(0.3)  # a few samples with the block held
     system = handle.stop()
-    child.wait()
+    child.communicate("")
     assert system["host"]["peak_rss_mb"] > base_mb + 250
 
 

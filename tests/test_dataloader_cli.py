@@ -80,8 +80,11 @@ def test_the_largest_loader_is_measured_and_the_script_stopped_before_training(t
     assert loader["settings"] == {"num_workers": 0, "prefetch_factor": None, "pin_memory": False,
                                   "persistent_workers": False}  # fmt: skip
     assert loader["ended_early"] is False and loader["notes"] == [], loader
-    # Busy-waits cannot run faster than the true rate; 0.75 leaves room for a noisy VM (see test_loader.py).
-    assert 0.75 * 2000 <= loader["samples_per_s"] <= 1.05 * 2000, loader
+    # Busy-waits cannot run faster than the true rate. How close to it the ceiling comes depends on the machine's
+    # load (test_loader.py calibrates that in one process); here the rate must be the measured fetches' own: 16
+    # samples per mean fetch, the warm-up and the loader's start-up left out.
+    assert loader["samples_per_s"] <= 1.05 * 2000, loader
+    assert loader["samples_per_s"] == pytest.approx(16e3 / loader["fetch_ms"]["mean"], rel=0.15), loader
     assert loader["fetch_ms"]["median"] >= 8.0, loader
     assert "sweep" not in d and "against_training" not in d, d.keys()
     assert "loader 1 of 2 built (BusyDataset, 4,096 samples)" in r.text, r.describe()
