@@ -412,6 +412,9 @@ def _ab(tmp_path, *args: str, timeout: float = 120) -> tuple[subprocess.Complete
     return done, orjson.loads(out.read_bytes())
 
 
+# Three short runs per variant: one stalled by another test worker's processes can widen the interval past 1.
+# Until the A/B statistics use each run's steps (issue 20), this real A/B runs alone, after the parallel part.
+@pytest.mark.serial
 def test_real_ab_finds_a_halved_step_and_no_difference_between_identical_variants(tmp_path):
     # 10 ms vs 20 ms of sleep per step; "same" is the baseline again. One A/B of 9 short runs checks both.
     done, data = _ab(

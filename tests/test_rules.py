@@ -31,6 +31,7 @@ from stepscope.summary import (
     PhaseStats,
     RunSummary,
     Steps,
+    StepSeries,
     Straggler,
     Verdict,
 )
@@ -1042,6 +1043,20 @@ def slow_tail_after_enough_warmup() -> Case:
 def slow_steps_at_epoch_restarts() -> Case:
     # The slow tail comes from each epoch's start (new workers), not from too short a warm-up.
     return Case(healthy(warmup=1, stats={"total": {"p95_ms": 350.0}}, epochs=_epochs([400.0, 400.0])))
+
+
+@positive("hygiene.warmup", None, "step time p95 350.0 ms against a median of 100.0 ms")
+def too_little_warmup_slow_first_steps() -> Case:  # the series shows it: the first measured steps are the slow ones
+    summary = healthy(warmup=1, stats={"total": {"p95_ms": 350.0}})
+    summary.series = StepSeries(1, [900.0, 400.0, 350.0, 300.0, *[100.0] * 16])
+    return Case(summary)
+
+
+@negative("hygiene.warmup")
+def slow_steps_spread_over_the_run() -> Case:  # a busy machine or periodic work: more warm-up would not help
+    summary = healthy(warmup=1, stats={"total": {"p95_ms": 350.0}})
+    summary.series = StepSeries(1, [900.0, 100.0, 100.0, 100.0, *[100.0, 100.0, 100.0, 400.0] * 4])
+    return Case(summary)
 
 
 @negative("hygiene.warmup")

@@ -1078,11 +1078,29 @@ def _warmup(case: Case) -> Finding | None:
         return None
     if any(e.index > 0 for e in case.summary.epochs):
         return None  # epoch restarts explain periodic slow steps as well as a short warm-up would
+    if not _slow_start(case.summary):
+        return None  # slow steps spread over the run (a busy machine, periodic work): not what warm-up cures
     evidence = [
         f"only {case.summary.steps.warmup} warm-up step(s)",
         f"step time p95 {total.p95_ms:.1f} ms against a median of {total.median_ms:.1f} ms",
     ]
     return Finding(evidence, None, "a measurement fix: it changes the figures, not the training")
+
+
+WARM_STEPS = 3  # the first measured steps that a too-short warm-up leaves slow
+
+
+def _slow_start(summary: RunSummary) -> bool:
+    """Whether the slow steps are the first measured ones (what a too-short warm-up leaves), from the step-time
+    series; True when the series cannot tell (absent, or merged: steps averaged in pairs)."""
+    series = summary.series
+    if series is None or series.stride != 1:
+        return True
+    measured = series.step_ms[summary.steps.warmup :]
+    if len(measured) < 2 * WARM_STEPS:
+        return True
+    first, rest = measured[:WARM_STEPS], sorted(measured[WARM_STEPS:])
+    return max(first) >= 3 * rest[len(rest) // 2]
 
 
 # -- ranking --------------------------------------------------------------------------------------------------
