@@ -110,19 +110,22 @@ def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, t
     r = stepscope_run(tmp_path, script("validation.py"), *args, *(["--teacher"] if teacher else []), steps=40)
     assert r.returncode == 0, r.describe()
     summary = r.summary
-    forward = summary.phases["forward"]
-    expected_ms = FORWARD_MS * (1.5 if teacher else 1.0)
-    # Sleep-based: load makes a sleep longer, never shorter; a validation pass inside a step would put the mean
-    # far above the median (a pass is 10 forwards).
-    assert expected_ms <= forward.median_ms <= expected_ms + 3.0, r.describe()
-    assert forward.mean_ms <= 1.15 * forward.median_ms, r.describe()
-    assert summary.counters["forward_calls"] == pytest.approx(2.0 if teacher else 1.0)
-    assert summary.counters["batches"] == pytest.approx(1.0)  # validation batches are not the step's samples
     passes = summary.eval
     assert passes["passes"] == 4, passes
     assert passes["forwards_per_pass"] == pytest.approx(10.0)
     assert passes["batches_per_pass"] == pytest.approx(0.0 if where == "tensors" else 10.0)
-    assert 10 * FORWARD_MS <= passes["mean_ms"] <= 10 * FORWARD_MS + 30.0, passes
-    assert 0.3 <= passes["share_of_wall"] <= 0.65, passes  # 4 × 80 ms of passes against 40 × 8–12 ms of steps
+    # Sleep-based: load makes a sleep longer, never shorter. The same forward inside the passes calibrates what one
+    # takes on this machine now (a loaded one oversleeps by milliseconds).
+    per_forward_ms = passes["phases_ms"]["forward"] / 10
+    assert per_forward_ms >= FORWARD_MS, passes
+    forward = summary.phases["forward"]
+    ratio = 1.5 if teacher else 1.0  # the teacher's forward sleeps half as long, inside the step
+    assert forward.median_ms >= ratio * FORWARD_MS, r.describe()
+    assert forward.median_ms == pytest.approx(ratio * per_forward_ms, rel=0.35), (per_forward_ms, r.describe())
+    # A pass counted inside a step would put 10 forwards into every tenth step: the mean far above the median.
+    assert forward.mean_ms <= 1.3 * forward.median_ms, r.describe()
+    assert summary.counters["forward_calls"] == pytest.approx(2.0 if teacher else 1.0)
+    assert summary.counters["batches"] == pytest.approx(1.0)  # validation batches are not the step's samples
+    assert 0.25 <= passes["share_of_wall"] <= 0.7, passes  # 4 × 10 forwards against 40 × 1–1.5 forwards
     assert summary.verdict.bound == "compute", r.describe()
     assert "eval: 4 validation pass(es) between steps" in r.stdout, r.stdout

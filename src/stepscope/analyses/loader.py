@@ -104,7 +104,6 @@ class SweepTrial:
     startup_s: float | None = None
     peak_rss_mb: float | None = None
     workers_cpu_pct: float | None = None
-    workers_run_delay_pct: float | None = None  # runnable but waiting for a CPU (summed over workers), Linux
     safe: bool = True  # peak RSS leaves memory to spare
     error: str | None = None
 
@@ -405,7 +404,6 @@ def sweep_loader(
             host = collectors.stop().get("host", {})
         trial.peak_rss_mb = host.get("peak_rss_mb")
         trial.workers_cpu_pct = host.get("workers_cpu_util_pct")
-        trial.workers_run_delay_pct = host.get("run_delay_workers_pct")
         available = host.get("mem_available_min_mb")
         if trial.peak_rss_mb is not None and available is not None:
             # The tree's RSS at its peak must fit in what was free plus what the tree already held.
@@ -432,16 +430,16 @@ def sweep_loader(
 
 def _beyond_cores(trials: list[SweepTrial], tried: list[LoaderSettings]) -> list[LoaderSettings]:
     """More workers than cores, when the fastest trial so far has the most workers and they mostly wait (reads
-    from disk or network, not CPU): double the count, up to ``MAX_WORKERS``. Waiting for a CPU is not waiting on
-    reads: on a machine busy with other work, CPU-bound workers use little CPU yet are runnable all along."""
+    from disk or network, not CPU): double the count, up to ``MAX_WORKERS``. On a machine busy with other work
+    CPU-bound workers also use little CPU; more of them then take a larger share of it, and each trial is measured,
+    so the sweep still picks by throughput."""
     measured = [t for t in trials if t.error is None and t.batches_per_s and t.workers_cpu_pct is not None]
     if not measured:
         return []
     best = max(measured, key=_rate)
     most = max(t.settings.num_workers for t in measured)
     workers = best.settings.num_workers
-    demand = best.workers_cpu_pct + (best.workers_run_delay_pct or 0.0)  # type: ignore[operator]
-    waiting = demand < WAITING_WORKERS_CPU * 100 * workers
+    waiting = best.workers_cpu_pct < WAITING_WORKERS_CPU * 100 * workers  # type: ignore[operator]
     if workers == 0 or workers < most or not waiting or 2 * workers > MAX_WORKERS:
         return []
     more = dataclasses.replace(best.settings, num_workers=2 * workers)
