@@ -594,7 +594,11 @@ def test_checkpoint_period_must_be_a_finite_second_or_more(tmp_path, value):
     assert not r.json_path.exists()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGINT hung once (60 s) in a fresh-clone make test beside two CPU burners and two test workers, and did not again
+# in 16 runs beside 2-4 burners: until that is found, it runs in the serial part.
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.serial)], ids=["SIGTERM", "SIGINT"]
+)
 def test_a_process_group_signal_keeps_the_summary(tmp_path, signum):
     # `timeout`, schedulers and CI cancellation signal the whole process group, and often again: stepscope run and
     # the script both get each signal, the script a second copy from stepscope. The script's exit handlers and
