@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -482,24 +483,7 @@ def test_sigterm_still_writes_the_summary(tmp_path, target):
 
 def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
     # SIGKILL (the OOM killer) runs no exit handler: only the periodic checkpoint can carry the figures out.
-    json_path = tmp_path / "s.json"
-    cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
-    cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = ["--checkpoint-s", "1"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ready, lines = _wait_for_ready(proc, timeout=60)
-        assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
-        time.sleep(2.5)  # a checkpoint or two
-        os.kill(int(ready.split()[1]), signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stderr = proc.stderr.read()
-    time.sleep(0.2)  # the reader thread drains the rest of stdout
-    stdout = "".join(lines)
-    assert proc.returncode == 128 + signal.SIGKILL, stderr
+    stdout, json_path = _sigkill_the_script(tmp_path, ["--checkpoint-s", "1"], after_s=2.5)  # a checkpoint or two
     s = RunSummary.from_json(json_path)
     assert s.exit.reason == "killed", s.exit
     assert s.exit.code == 137
@@ -509,14 +493,17 @@ def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
     assert "the script was killed by signal 9" in stdout
 
 
-def test_a_script_killed_before_its_first_checkpoint_is_killed_not_failed(tmp_path):
-    # SIGKILL a few steps in, long before the first checkpoint (30 s): nothing survives, and the summary says why.
+def _sigkill_the_script(tmp_path, options: list[str], after_s: float) -> tuple[str, Path]:
+    """Run sleepy_forever.py under `stepscope run OPTIONS`, SIGKILL the script ``after_s`` after its READY line;
+    stepscope run's stdout and the summary's path (stepscope run must exit 137)."""
     json_path = tmp_path / "s.json"
     cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
+    cmd[cmd.index("run") + 1 : cmd.index("run") + 1] = options
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, lines = _wait_for_ready(proc, timeout=60)
         assert ready is not None, f"no READY line; exit code {proc.poll()}, stdout {lines}"
+        time.sleep(after_s)
         os.kill(int(ready.split()[1]), signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -525,8 +512,13 @@ def test_a_script_killed_before_its_first_checkpoint_is_killed_not_failed(tmp_pa
             proc.wait()
     stderr = proc.stderr.read()
     time.sleep(0.2)  # the reader thread drains the rest of stdout
-    stdout = "".join(lines)
     assert proc.returncode == 128 + signal.SIGKILL, stderr
+    return "".join(lines), json_path
+
+
+def test_a_script_killed_before_its_first_checkpoint_is_killed_not_failed(tmp_path):
+    # SIGKILL a few steps in, long before the first checkpoint (30 s): nothing survives, and the summary says why.
+    stdout, json_path = _sigkill_the_script(tmp_path, [], after_s=0.0)
     s = RunSummary.from_json(json_path)
     assert (s.exit.reason, s.exit.code) == ("killed", 137), s.exit
     assert s.exit.error.startswith("killed by signal 9 after "), s.exit
