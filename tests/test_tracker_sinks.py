@@ -326,12 +326,14 @@ def test_a_killed_server_drops_the_sink_and_training_goes_on(live_mlflow, tmp_pa
         while not line.startswith("READY"):  # after 5 steps: 3 measured and logged
             line = proc.stdout.readline()
             assert line, f"no READY line; exit code {proc.poll()}: {proc.stderr.read()}"
-        # The sink connects in its own thread at its first write: kill the server once the run is there.
+        # The sink connects in its own thread at its first write: kill the server once the run has a first metric.
         store = f"sqlite:///{live_mlflow.root / 'db'}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            experiment = MlflowClient(tracking_uri=store).get_experiment_by_name("stepscope")
-            if experiment is not None and runs_since(store, "stepscope", since_ms):
+            client = MlflowClient(tracking_uri=store)
+            experiment = client.get_experiment_by_name("stepscope")
+            runs = runs_since(store, "stepscope", since_ms) if experiment is not None else []
+            if runs and client.get_metric_history(runs[0].info.run_id, "perf/step_time"):
                 break
             assert proc.poll() is None, "the run ended before its MLflow run was created"
             time.sleep(0.1)
