@@ -669,7 +669,10 @@ def test_sweep_stops_at_the_budget_and_lists_what_it_did_not_try():
     sweep = sweep_loader(loader, budget_s=0.1, batches=10, warmup=2, cores=2)
     assert len(sweep.trials) + len(sweep.skipped) == 5, sweep
     assert sweep.skipped, sweep
-    assert all(s.endswith("the 0.1 s budget ran out") for s in sweep.skipped), sweep.skipped
+    # Not started, or (on a loaded machine) started and cut during its warm-up: the budget either way.
+    assert all(
+        s.endswith(("the 0.1 s budget ran out", "the 0.1 s budget ran out during its warm-up")) for s in sweep.skipped
+    ), sweep.skipped
     # the current setting is measured first, so it is among the trials (ranked by rate, not in measuring order)
     assert any(t.settings == sweep.current for t in sweep.trials), sweep
     assert sweep.elapsed_s < 2.0
