@@ -159,7 +159,7 @@ def test_round_trip_of_a_real_scope_summary(tmp_path, clock):
 def test_json_form_puts_schema_version_first():
     data = orjson.loads(full_summary().to_json())
     assert next(iter(data)) == "schema_version"
-    assert data["schema_version"] == SCHEMA_VERSION == 4
+    assert data["schema_version"] == SCHEMA_VERSION == 5
     assert data["phases"]["forward"]["device_p95_ms"] == 22.0
     assert data["fixes"][1]["gain_bound"] is None
 
@@ -317,9 +317,20 @@ def test_schema_3_file_is_upgraded_with_empty_eval_and_hotspots():
     assert (summary.schema_version, summary.eval, summary.hotspots) == (SCHEMA_VERSION, {}, {})
 
 
+def test_schema_4_file_is_upgraded_with_no_applied_fixes_and_unknown_nodes():
+    data = full_summary().to_dict()
+    data["schema_version"] = 4
+    del data["applied"]
+    for name in ("node_rank", "job_id", "pid", "launch_id"):
+        del data["meta"][name]
+    summary = RunSummary.from_dict(data)
+    assert (summary.schema_version, summary.applied) == (SCHEMA_VERSION, [])
+    assert (summary.meta.node_rank, summary.meta.job_id, summary.meta.pid) == (None, None, None)
+
+
 def test_trace_highlights_are_a_top_level_field_after_pipeline():
     data = orjson.loads(full_summary().to_json())
-    assert list(data)[-4:] == ["pipeline", "trace", "eval", "hotspots"]
+    assert list(data)[-5:] == ["pipeline", "trace", "eval", "hotspots", "applied"]
     assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
     assert RunSummary().to_dict()["trace"] == {}
 

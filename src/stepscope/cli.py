@@ -51,6 +51,9 @@ _VALUED = {
     "--trace",
     "--trace-window",
     "--nsys-window",
+    "--apply",
+    "--out",
+    "--out-wait-s",
 }
 _SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
@@ -116,8 +119,19 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
         profile=_profile_window(args),
         nvtx=args.nvtx,
         nsys_window=args.nsys_window,
+        apply=_fixes(args.apply or []),
         **extra,
     )
+
+
+def _fixes(texts: list[str]) -> list[dict[str, Any]]:
+    """``--apply`` words into validated fixes, before the script starts: a typo must not cost a training run."""
+    from stepscope.instrument.apply import ApplyError, parse_fixes
+
+    try:
+        return parse_fixes(texts)
+    except ApplyError as error:
+        raise UsageError(str(error)) from None
 
 
 def _trace_window(text: str) -> tuple[int, ...]:
@@ -148,12 +162,41 @@ def _run(args: argparse.Namespace) -> int:
     config = _measure_config(args, stop=not args.no_stop)
     _check_outputs(args, json="summary", html="report")
     started = time.time()
-    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
+    out = _out_folder(args.out)
+    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy), out=out, out_wait_s=args.out_wait_s)
     _attach_trace(args, summary, started)
     sys.stdout.flush()
     print_summary(summary)
     _save_summary(args, summary)
     return code
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from stepscope.doctor.checkup import examine
+    from stepscope.doctor.lint import LintHit
+    from stepscope.doctor.verdict import classify
+    from stepscope.instrument.collect import MergeError, check_one_job, gather
+    from stepscope.instrument.merge import merge
+    from stepscope.report.terminal import print_doctor, print_summary
+
+    _check_outputs(args, json="summary", html="report")
+    try:
+        found = gather(args.paths)
+        world = check_one_job(found)
+    except MergeError as error:
+        raise UsageError(str(error)) from None
+    for note in found.notes:
+        print(f"stepscope: {note}", file=sys.stderr)
+    summary = merge(found.ranks, expected_world=world)
+    summary.notes += found.notes
+    if found.lint is not None:  # doctor summaries: the job gets the doctor's verdict and fixes
+        examine(summary, [LintHit(**hit) for hit in found.lint])
+        print_doctor(summary)
+    else:
+        summary.verdict = classify(summary)
+        print_summary(summary)
+    _save_summary(args, summary)
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -232,6 +275,22 @@ def _save(option: str, path_text: str, what: str, write: Callable[[Path], Any]) 
         return False
     print(f"{what} written to {path_text}")
     return True
+
+
+def _out_folder(path_text: str | None) -> Path | None:
+    """``run --out DIR``, checked before the script starts: a folder (created when missing) stepscope can write."""
+    if path_text is None:
+        return None
+    path = Path(path_text)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path_text} is a file: give a folder the job's nodes share.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--out {path_text}: cannot create the folder ({error.strerror}).") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--out {path_text}: no write permission.")
+    return path
 
 
 def _py_spy_out(path_text: str | None) -> Path | None:
@@ -505,6 +564,13 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
         help="call cudaProfilerStart/Stop around steps START..STOP-1 (from 0, warm-up included), for "
         "nsys profile --capture-range=cudaProfilerApi",
     )
+    verb.add_argument(
+        "--apply",
+        action="append",
+        metavar="FIX[=VALUE]",
+        help="apply a fix of the catalogue to the unmodified script at runtime, e.g. loader.num_workers=2, "
+        "optimizer.foreach, debug.anomaly=off (repeatable; see docs/run.md); the summary records where it applied",
+    )
 
 
 def _rank_list(text: str) -> list[int]:
@@ -600,6 +666,17 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--html", metavar="PATH", required=True, help="write the self-contained HTML page here")
     report.add_argument("--trace", metavar="DIR", help="add the highlights of the torch.profiler traces in DIR")
     report.set_defaults(func=_report)
+    merged = commands.add_parser(
+        "merge",
+        help="merge the summaries of one job's nodes or ranks (files, or folders of them) into one",
+        description="Merges per-node (`run --json` on each node) or per-rank (`run --out DIR`) summaries of one "
+        "job: a global rank table with each rank's node, a per-node table, cluster samples/s, the straggler rank "
+        "and node, and the job's verdict. Summaries of different jobs are refused. Exit code 2 for bad input.",
+    )
+    merged.add_argument("paths", nargs="+", metavar="SUMMARY_OR_DIR", help="summary files, or folders of them")
+    merged.add_argument("--json", metavar="PATH", help="write the merged summary here")
+    merged.add_argument("--html", metavar="PATH", help="write the merged report here")
+    merged.set_defaults(func=_merge)
 
     run = commands.add_parser(
         "run",
@@ -611,6 +688,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _measure_options(run, sample_hz=1.0, sample_hz_why="doctor samples at 4 Hz, for a short run's peak memory")
     run.add_argument("--no-stop", action="store_true", help="let the script run to its end")
+    run.add_argument(
+        "--out",
+        metavar="DIR",
+        help="a folder every node of the job can write (a shared filesystem): each rank writes its summary there, "
+        "and once the command ends this node merges the job's ranks it finds (see docs/multi-node.md)",
+    )
+    run.add_argument(
+        "--out-wait-s",
+        type=float,
+        default=30.0,
+        help="with --out: how long to wait for the other nodes' ranks to write their summaries (s, default 30)",
+    )
     run.set_defaults(func=_run)
 
     params = commands.add_parser(

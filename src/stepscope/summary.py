@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -113,9 +113,20 @@ class Meta:
     command: str = ""
     hostname: str = ""
     python_version: str = ""
-    rank: int | None = None
+    rank: int | None = None  # global rank (torch.distributed, else the launcher's RANK / SLURM_PROCID / OMPI_*)
     local_rank: int | None = None
     world_size: int | None = None
+    node_rank: int | None = None  # the node's index in the job, where the launcher says (GROUP_RANK, SLURM_NODEID)
+    job_id: str | None = None  # which job the rank belongs to: "slurm:JOB.STEP", "torchrun:RUN_ID", "rendezvous:H:P"
+    pid: int | None = None  # the measured process (with hostname and rank: which process wrote a summary)
+    launch_id: str | None = None  # the `stepscope run` that started it (several share a `--out` folder)
+
+    @property
+    def node(self) -> str:
+        """The node the process ran on, in words: its host, and the launcher's node index where there is one (two
+        nodes of a job may share a host name: containers, or a test on one machine)."""
+        host = self.hostname or "?"
+        return host if self.node_rank is None else f"{host} (node {self.node_rank})"
 
 
 @dataclass
@@ -175,6 +186,7 @@ class Straggler:
     excess_ms: float  # that rank's mean time in the phase above the median of the other ranks
     # The ranks that wait for it in collectives: their `comms` time per step clearly above the straggler's own.
     waiting_ranks: list[int] = field(default_factory=list)
+    node: str | None = None  # the straggler's host, when the ranks ran on more than one
     wait_ms: float | None = None  # the median of the waiting ranks' mean comms time per step
     own_comms_ms: float | None = None  # the straggler's own mean comms time per step (the collectives' own cost)
 
@@ -188,6 +200,10 @@ class Cluster:
     samples_per_s: float | None  # sum over ranks
     phases: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {min_ms, mean_ms, max_ms}
     straggler: Straggler | None = None
+    missing_ranks: list[int] = field(default_factory=list)  # ranks of the world that wrote no summary
+    # One entry per node, when the ranks ran on more than one: node, ranks, samples_per_s (sum), step_ms and
+    # comms_ms (means over its ranks)
+    nodes: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -216,6 +232,8 @@ class RunSummary:
     trace: dict[str, Any] = field(default_factory=dict)  # highlights of the run's torch.profiler traces
     eval: dict[str, Any] = field(default_factory=dict)  # validation passes between training steps, kept apart
     hotspots: dict[str, Any] = field(default_factory=dict)  # per phase: the source lines host time was spent on
+    # `--apply`: the fixes stepscope applied to the run itself, each {id, value, applied, where, why}
+    applied: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -383,5 +401,9 @@ def _add_eval(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "eval": {}, "hotspots": {}, "schema_version": 4}
 
 
+def _add_applied(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "applied": [], "schema_version": 5}  # Meta's node fields and Cluster's lists have defaults
+
+
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
-_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval}
+_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval, 4: _add_applied}

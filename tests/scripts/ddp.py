@@ -1,11 +1,14 @@
 """DDP over gloo, launched by torchrun: a DistributedSampler per rank, and one slow rank.
 
-Every sample sleeps --sample-ms in __getitem__; on rank --slow-rank it sleeps --extra-ms more, so that rank is
-the straggler and the time it loses is spent in data_wait (and its loader ceiling is the lower one).
+Every sample sleeps --sample-ms in __getitem__; on rank --slow-rank (or, on a multi-node job, the process with
+local rank --slow-local-rank) it sleeps --extra-ms more, so that rank is the straggler and the time it loses is
+spent in data_wait (and its loader ceiling is the lower one). With --slurm it is one task of ``srun`` (no
+torchrun): its rank and world size come from SLURM_PROCID/SLURM_NTASKS, as Slurm job scripts do it.
 "ddp: rank N trained" is printed only after the last epoch.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=0.5)
     parser.add_argument("--extra-ms", type=float, default=1.25)
     parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--slow-local-rank", type=int, default=None)
+    parser.add_argument("--slurm", action="store_true")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=1024)
@@ -43,9 +48,18 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    dist.init_process_group("gloo")
+    if args.slurm:
+        env_rank, env_world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        dist.init_process_group("gloo", rank=env_rank, world_size=env_world)
+        local_rank = int(os.environ["SLURM_LOCALID"])
+    else:
+        dist.init_process_group("gloo")
+        local_rank = int(os.environ["LOCAL_RANK"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    sample_ms = args.sample_ms + (args.extra_ms if rank == args.slow_rank else 0.0)
+    slow = local_rank == args.slow_local_rank if args.slow_local_rank is not None else rank == args.slow_rank
+    if slow:
+        print(f"ddp: slow rank {rank}", flush=True)
+    sample_ms = args.sample_ms + (args.extra_ms if slow else 0.0)
     dataset = SleepyDataset(args.samples, sample_ms)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)

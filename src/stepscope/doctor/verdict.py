@@ -160,12 +160,16 @@ def job_verdict(summary: RunSummary) -> Verdict | None:
     step_ms = summary.phases[TOTAL].mean_ms
     share = straggler.excess_ms / step_ms if step_ms > 0 else 0.0
     waiting = straggler.waiting_ranks
-    who = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
+    if len(waiting) == 1:
+        who = f"rank {waiting[0]} waits"
+    else:
+        who = f"ranks {', '.join(map(str, waiting))} wait" if len(waiting) <= 8 else f"{len(waiting):,} ranks wait"
     median = "" if len(waiting) == 1 else " (median)"
     own = "" if not straggler.own_comms_ms else f", against {straggler.own_comms_ms:.1f} ms on rank {straggler.rank}"
+    where = f" on {straggler.node}" if straggler.node else ""
     evidence = [
-        f"rank {straggler.rank}'s {straggler.phase} is {straggler.excess_ms:.1f} ms above the other ranks' median "
-        f"({100 * share:.0f}% of the {step_ms:.1f} ms job step)",
+        f"rank {straggler.rank}'s {straggler.phase}{where} is {straggler.excess_ms:.1f} ms above the other ranks' "
+        f"median ({100 * share:.0f}% of the {step_ms:.1f} ms job step)",
         f"{who} {straggler.wait_ms:.1f} ms per step{median} in comms for it{own}",
     ]
     slow = rank_summary(summary, straggler.rank)
@@ -252,7 +256,8 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
     straggler = summary.cluster.straggler if summary.cluster else None
     if straggler is not None:
         extra.append(
-            f"rank {straggler.rank} is the straggler: its {straggler.phase} is {straggler.excess_ms:.1f} ms above "
+            f"rank {straggler.rank}{f' on {straggler.node}' if straggler.node else ''} is the straggler: its "
+            f"{straggler.phase} is {straggler.excess_ms:.1f} ms above "
             "the median of the other ranks"
         )
     extra += late_rank_lines(summary.trace)

@@ -5,7 +5,8 @@ analyses/ab.py.
 A variant's command is split as a shell would (shlex): its leading ``VAR=VALUE`` words set the command's
 environment, the rest is what ``stepscope run`` takes — ``python SCRIPT.py ARGS`` or ``SCRIPT.py ARGS`` (run with
 the Python that runs stepscope, as ``stepscope run SCRIPT.py`` does), ``python -m MODULE ARGS``, or any launcher
-(``torchrun ...``).
+(``torchrun ...``). ``--apply FIX[=VALUE]`` words between the environment and the command inject fixes into
+that variant's runs, as ``stepscope run --apply`` does: ``--variant 'w2=--apply loader.num_workers=2 train.py'``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import re
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from stepscope.analyses.ab import ABResult, RunFigures, Settings, ab_result, run_figures, variant_result
 from stepscope.instrument import LaunchError, launch
+from stepscope.instrument.apply import ApplyError, parse_fixes
 from stepscope.instrument.tracker import RunConfig
 
 _ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
@@ -39,6 +42,7 @@ class Variant:
     command: str
     env: dict[str, str]
     target: launch.Target
+    apply: list[dict[str, Any]] = field(default_factory=list)  # `--apply` fixes injected into its runs
 
 
 def parse_variant(text: str) -> Variant:
@@ -56,13 +60,23 @@ def parse_variant(text: str) -> Variant:
     while words and _ENV_WORD.match(words[0]):
         key, _, value = words.pop(0).partition("=")
         env[key] = value
+    fixes = []
+    while words and (words[0] == "--apply" or words[0].startswith("--apply=")):  # `stepscope run --apply`'s
+        word = words.pop(0)
+        if word == "--apply" and not words:
+            raise ValueError(f"variant {name}: --apply needs a fix, e.g. --apply loader.num_workers=2.")
+        fixes.append(words.pop(0) if word == "--apply" else word.removeprefix("--apply="))
     if not words:
         raise ValueError(f"variant {name} has no command after its environment, e.g. {name}=python train.py.")
+    try:
+        applied = parse_fixes(fixes)
+    except ApplyError as error:
+        raise ValueError(f"variant {name}: {error}") from None
     try:
         target = _target(words)
     except LaunchError as error:
         raise LaunchError(f"variant {name}: {error}") from None
-    return Variant(name, command.strip(), env, target)
+    return Variant(name, command.strip(), env, target, applied)
 
 
 def _target(words: list[str]) -> launch.Target:
@@ -119,7 +133,7 @@ def run_ab(
             index = (order - 1) % len(variants)
             variant = variants[index]
             log(f"stepscope ab: run {order}/{total}: {variant.name}")
-            code, summary = launch.run(variant.target, config, env=variant.env)
+            code, summary = launch.run(variant.target, replace(config, apply=variant.apply), env=variant.env)
             figures = run_figures(summary, code, order)
             runs[index].append(figures)
             if figures.failure:

@@ -3,8 +3,9 @@
 ``stepscope run`` puts ``instrument/site/`` on PYTHONPATH and its RunConfig in ``STEPSCOPE_RUN``; the
 ``sitecustomize`` there calls ``activate()`` in every Python process of the command. Activation costs nothing
 until the process imports torch; then the hooks go in, and at exit the process writes its summary into the run
-folder, when it trained (or is the script itself). Rank files are named by rank and pid, so they never
-overwrite each other. Anything that goes wrong here is reported once on stderr, and the script runs on.
+folder, when it trained (or is the script itself). Rank files are named by rank, host and pid (see
+identity.py), so they never overwrite each other, even in a folder the nodes of a job share. Anything that goes
+wrong here is reported once on stderr, and the script runs on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stepscope.instrument.identity import identify, summary_name
 from stepscope.summary import Exit
 
 ENV_CONFIG = "STEPSCOPE_RUN"
@@ -165,34 +167,17 @@ def _sinks(specs: list[str]) -> list[Any]:
     out, and the run goes on."""
     from stepscope.sinks.trackers import sink_from_spec
 
-    rank = os.environ.get("RANK")
+    rank = identify().rank
     sinks = []
     for spec in specs:
         try:
-            sink = sink_from_spec(spec, int(rank) if rank and rank.isdigit() else None)
+            sink = sink_from_spec(spec, rank)
         except Exception as error:
             _warn(f"the sink {spec!r} could not start", error, "measuring goes on without it")
             continue
         if sink is not None:
             sinks.append(sink)
     return sinks
-
-
-def _rank_meta() -> tuple[int | None, int | None, int | None]:
-    def env_int(name: str) -> int | None:
-        value = os.environ.get(name)
-        return int(value) if value and value.lstrip("-").isdigit() else None
-
-    rank, local_rank, world = env_int("RANK"), env_int("LOCAL_RANK"), env_int("WORLD_SIZE")
-    if rank is None:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                rank, world = dist.get_rank(), dist.get_world_size()
-        except Exception:
-            pass
-    return rank, local_rank, world
 
 
 def _write(tracker: Any, final: bool) -> None:
@@ -243,13 +228,16 @@ def _write_summary(tracker: Any, final: bool) -> None:
                 _state["checkpoints"].stop()  # no checkpoint may replace the final summary
             tracker.scope.close()  # the system sampler's last figures
         summary = tracker.summary(drain=final)
-        rank, local_rank, world = _rank_meta()
-        summary.meta.rank, summary.meta.local_rank, summary.meta.world_size = rank, local_rank, world
+        who = identify()
+        meta = summary.meta
+        meta.rank, meta.local_rank, meta.world_size = who.rank, who.local_rank, who.world_size
+        meta.node_rank, meta.job_id, meta.hostname, meta.pid = who.node_rank, who.job_id, who.hostname, who.pid
+        meta.launch_id = config.launch_id
         if not final:
             summary.exit = Exit(reason="running")
         _mark_failure(summary.exit)
         out = Path(config.out_dir)
-        path = out / f"rank{rank if rank is not None else 0}-pid{os.getpid()}.json"
+        path = out / summary_name(who)
         tmp = path.with_suffix(".tmp")
         summary.to_json(tmp)
         tmp.replace(path)

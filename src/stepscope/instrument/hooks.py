@@ -284,6 +284,9 @@ def install(tracker: Tracker) -> Callable[[], None]:
     if dist.is_available():
         _install_distributed(tracker, patch, undo)
 
+    # `--apply`: last, so that its wrappers run first and the hooks above see (and record) the applied settings
+    tracker.fixes.install(patch)
+
     def uninstall() -> None:
         while undo:
             undo.pop()()

@@ -12,19 +12,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from stepscope.doctor.verdict import classify
 from stepscope.instrument import LaunchError
 from stepscope.instrument.bootstrap import ENV_CONFIG
+from stepscope.instrument.collect import RANK_FILES, Gathered, MergeError, check_one_job, gather, wait_for_ranks
 from stepscope.instrument.merge import merge
 from stepscope.instrument.pyspy import RecordedProcess
 from stepscope.instrument.tracker import RunConfig
@@ -97,20 +98,41 @@ def _wait(process: subprocess.Popen[bytes] | RecordedProcess) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
 
 
-def _read_ranks(out_dir: Path) -> tuple[list[RunSummary], list[str]]:
+def _read_ranks(out_dir: Path, launch_id: str) -> tuple[list[RunSummary], list[str]]:
+    """The summaries this launch's processes wrote into ``out_dir`` (a shared ``--out`` folder also holds other
+    nodes' and other runs' files)."""
     summaries, notes = [], []
-    for path in sorted(out_dir.glob("rank*-pid*.json")):
+    for path in sorted(out_dir.glob(RANK_FILES)):
         try:
-            summaries.append(RunSummary.from_json(path))
+            summary = RunSummary.from_json(path)
         except SummaryError as error:
             notes.append(f"a rank's summary could not be read: {error}")
+            continue
+        if summary.meta.launch_id == launch_id:
+            summaries.append(summary)
     return summaries, notes
 
 
-def _rank_pids(out_dir: Path) -> dict[int, int]:
-    """pid -> rank of the processes that wrote a summary (bootstrap names their files rank{R}-pid{P}.json)."""
-    found = (re.fullmatch(r"rank(\d+)-pid(\d+)", path.stem) for path in out_dir.glob("rank*-pid*.json"))
-    return {int(match[2]): int(match[1]) for match in found if match}
+def _job_ranks(out_dir: Path, own: list[RunSummary], wait_s: float) -> tuple[list[RunSummary], list[str]]:
+    """With a shared ``--out`` folder: this node's ranks and those the job's other nodes wrote there, once each
+    has written its final summary or ``wait_s`` has passed. Only this node's ranks when the job has no id."""
+    job, world = own[0].meta.job_id, max((r.meta.world_size or 1 for r in own), default=1)
+    if job is None or world <= len(own):
+        return own, []
+    missing = wait_for_ranks(out_dir, job, world, wait_s)
+    if missing:
+        print(
+            f"stepscope: rank(s) {', '.join(map(str, missing))} of the job wrote no final summary into {out_dir} "
+            f"within {wait_s:g} s; merging what is there (`stepscope merge {out_dir}` later merges them all).",
+            file=sys.stderr,
+        )
+    found = gather([out_dir])
+    ranks = [r for r in found.ranks if r.meta.job_id == job]
+    try:
+        check_one_job(Gathered(ranks, found.sources))
+    except MergeError as error:
+        return own, [f"this node's ranks only: {error}"]
+    return ranks, found.notes
 
 
 def _killed_early_note(code: int, ran_s: float, checkpoint_s: float) -> str:
@@ -125,13 +147,25 @@ def _killed_early_note(code: int, ran_s: float, checkpoint_s: float) -> str:
 
 
 def run(
-    target: Target, config: RunConfig, py_spy: Path | None = None, env: dict[str, str] | None = None
+    target: Target,
+    config: RunConfig,
+    py_spy: Path | None = None,
+    env: dict[str, str] | None = None,
+    out: Path | None = None,
+    out_wait_s: float = 30.0,
 ) -> tuple[int, RunSummary]:
     """Run the target instrumented; returns its exit code and the (merged) summary. With ``py_spy``, py-spy
     records a flame graph of the whole command there (see pyspy.py); it never changes the run. ``env`` adds to
-    (or overrides) stepscope's own environment for the command, as ``VAR=VALUE command`` does in a shell."""
-    out_dir = Path(tempfile.mkdtemp(prefix="stepscope-run-"))
-    config = dataclasses.replace(config, out_dir=str(out_dir), launcher=target.launcher, parent_pid=os.getpid())
+    (or overrides) stepscope's own environment for the command, as ``VAR=VALUE command`` does in a shell.
+
+    With ``out`` (a folder every node of the job can write, ``run --out``), each process writes its summary there
+    and it is kept; once the command ends, the job's ranks from the other nodes are awaited up to ``out_wait_s``
+    seconds and merged with this node's."""
+    out_dir = out.resolve() if out is not None else Path(tempfile.mkdtemp(prefix="stepscope-run-"))
+    launch_id = uuid.uuid4().hex
+    config = dataclasses.replace(
+        config, out_dir=str(out_dir), launcher=target.launcher, parent_pid=os.getpid(), launch_id=launch_id
+    )
     try:
         child_env = _child_env(config, env)
         started = time.monotonic()
@@ -145,11 +179,16 @@ def run(
             raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
         code = _wait(process)
         ran_s = time.monotonic() - started
-        summaries, notes = _read_ranks(out_dir)
+        summaries, notes = _read_ranks(out_dir, launch_id)
         if isinstance(process, RecordedProcess):
-            print(process.finish(_rank_pids(out_dir) if target.launcher else {}), file=sys.stderr)
+            pids = {r.meta.pid: r.meta.rank or 0 for r in summaries if r.meta.pid is not None}
+            print(process.finish(pids if target.launcher else {}), file=sys.stderr)
+        if out is not None and summaries:
+            summaries, more = _job_ranks(out_dir, summaries, out_wait_s)
+            notes += more
     finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        if out is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
     if summaries:
         summary = merge(summaries)
     elif code > 128:

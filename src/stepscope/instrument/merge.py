@@ -184,6 +184,47 @@ def _hotspots(ranks: list[RunSummary], straggler: Straggler | None) -> dict[str,
     return {**chosen.hotspots, "rank": _rank(chosen)} if chosen.hotspots else {}
 
 
+def node_table(ranks: list[RunSummary]) -> list[dict[str, Any]]:
+    """One row per node, in rank order, when the ranks ran on more than one (else []): its ranks, their summed
+    samples/s, their mean step time and mean ``comms`` time (ms; None without that phase). In synchronous training
+    every node's step is the job's step; a node whose ranks wait less in collectives than the others' is the one
+    they wait for."""
+    by_node: dict[str, list[RunSummary]] = {}
+    for r in ranks:
+        by_node.setdefault(r.meta.node, []).append(r)
+    if len(by_node) < 2:
+        return []
+    rows = []
+    for node, members in by_node.items():
+        steps = [r.phases[TOTAL].mean_ms for r in members if TOTAL in r.phases]
+        rates = [r.throughput.samples_per_s for r in members if r.throughput.samples_per_s is not None]
+        comms = [phase_ms(r, COMMS) for r in members if COMMS in r.phases]
+        rows.append(
+            {
+                "node": node,
+                "ranks": [_rank(r) for r in members],
+                "samples_per_s": sum(rates) if rates else None,
+                "step_ms": statistics.fmean(steps) if steps else None,
+                "comms_ms": statistics.fmean(comms) if comms else None,
+            }
+        )
+    return sorted(rows, key=lambda row: min(row["ranks"]))
+
+
+def _missing_note(ranks: list[RunSummary], missing: list[int]) -> str:
+    listed = ", ".join(map(str, missing))
+    if len({r.meta.node for r in ranks}) == 1 and ranks[0].meta.node_rank is not None:
+        # One node of a multi-node job: the other nodes' ranks are elsewhere, not dead.
+        return (
+            f"rank(s) {listed} are not in this summary: they ran on the job's other nodes (or died before writing). "
+            "Its cluster figures are this node's; `stepscope merge` of every node's summary gives the job's."
+        )
+    return (
+        f"rank(s) {listed} wrote no summary (the process died or was killed before it could); the figures are from "
+        "the other ranks."
+    )
+
+
 def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSummary:
     """One summary for the run: per-rank summaries in ``ranks``, cluster figures in ``cluster``."""
     if not ranks:
@@ -215,21 +256,31 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
             for v in [[r.phases[n].mean_ms for r in ranks if n in r.phases]]
         },
         straggler=find_straggler(ranks),
+        missing_ranks=sorted(set(range(world)) - {_rank(r) for r in ranks}),
+        nodes=node_table(ranks),
     )
+    if cluster.straggler is not None and cluster.nodes:
+        cluster.straggler.node = next(r.meta.node for r in ranks if _rank(r) == cluster.straggler.rank)
     notes = [f"rank {_rank(r)}: {note}" for r in ranks for note in r.notes]
-    missing = sorted(set(range(world)) - set(cluster.ranks_reported))
-    if missing:
-        notes.append(
-            f"rank(s) {', '.join(map(str, missing))} wrote no summary (the process died or was killed before "
-            "it could); the figures are from the other ranks."
-        )
+    if cluster.missing_ranks:
+        notes.append(_missing_note(ranks, cluster.missing_ranks))
     exits = [r.exit or Exit() for r in ranks]
     worst, failure_notes = _failure_exit(ranks, exits)
     notes += failure_notes
     if worst.hung is not None and cluster.straggler is not None and cluster.straggler.rank != worst.cause_rank:
         # The ranks that waited for a hung rank are not its stragglers: the job's problem is the hang.
         cluster.straggler = None
-    meta = dataclasses.replace(first.meta, rank=None, local_rank=None, world_size=world)
+    one_node = not cluster.nodes
+    meta = dataclasses.replace(
+        first.meta,
+        rank=None,
+        local_rank=None,
+        world_size=world,
+        pid=None,
+        hostname=first.meta.hostname if one_node else f"{len(cluster.nodes)} nodes",
+        node_rank=first.meta.node_rank if one_node else None,
+        launch_id=first.meta.launch_id if len({r.meta.launch_id for r in ranks}) == 1 else None,
+    )
     return RunSummary(
         steps=Steps(
             warmup=max(r.steps.warmup for r in ranks),
@@ -250,6 +301,7 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         epochs=first.epochs,
         counters=first.counters,
         facts=first.facts,
+        applied=first.applied,
         system={"signals": _rank_signals(ranks)},
         hotspots=_hotspots(ranks, cluster.straggler),
         exit=worst,

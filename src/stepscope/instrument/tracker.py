@@ -26,6 +26,7 @@ from stepscope.clock import HOST_ONLY
 from stepscope.collectors.stacks import DEFAULT_STACK_HZ
 from stepscope.doctor import facts
 from stepscope.doctor.verdict import classify
+from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
 from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope
@@ -68,6 +69,7 @@ class RunConfig:
     batch_size: int | None = None
     launcher: bool = False  # a launcher command: only processes that train write a summary
     parent_pid: int = 0  # stepscope's own pid: its direct child is the script (script and -m modes)
+    launch_id: str | None = None  # this `stepscope run`'s own id: its processes' summaries carry it
     checkpoint_s: float = 30.0  # write the summary so far this often, so a killed process leaves its figures
     params_steps: int | None = None  # `stepscope params`: audit parameters over this many backward passes, then stop
     include_zero_grad: bool = False
@@ -84,6 +86,7 @@ class RunConfig:
     profile: dict[str, Any] | None = None
     nvtx: bool = False  # phases as NVTX ranges
     nsys_window: str | None = None  # "START:STOP": cudaProfilerStart/Stop around those steps
+    apply: list[dict[str, Any]] = field(default_factory=list)  # `--apply`: fixes to inject, each {id, value}
 
 
 @dataclass
@@ -182,6 +185,7 @@ class Tracker:
         # `stepscope dataloader`
         self.constructed: list[weakref.ref[Any]] = []  # DataLoaders built so far, in order
         self.loader_result: dict[str, Any] | None = None
+        self.fixes = Injector(config.apply)  # `--apply`: hooks.install installs what it needs (nothing without)
 
     # -- exclusive phase time ----------------------------------------------------------------------------------
 
@@ -740,6 +744,7 @@ class Tracker:
                 "error": f"--loader {job['loader']} was never built: the script built {built} DataLoader(s) "
                 f"(numbered from 0 in build order) before it ended",
             }
+        summary.applied = self.fixes.results()
         audits = self.audit.audits() if self.audited is None else self.audited
         summary.params = [a.to_dict() for a in audits]
         try:

@@ -10,7 +10,7 @@ from stepscope.analyses.loader import LoaderSettings
 from stepscope.doctor.verdict import late_rank_lines
 from stepscope.record import TOTAL
 from stepscope.report.svg import bars, esc, fmt_number, line_chart, stacked_bars
-from stepscope.report.terminal import exit_line, gain_text, split_contention
+from stepscope.report.terminal import applied_line, exit_line, gain_text, rank_list, shown_ranks, split_contention
 from stepscope.summary import Fix, RunSummary
 
 # What each verdict means for the person reading it (the vocabulary of DESIGN.md and docs/doctor.md).
@@ -52,8 +52,8 @@ def verdict(summary: RunSummary) -> str:
     straggler = summary.cluster.straggler if summary.cluster else None
     if straggler:
         parts.append(
-            f"<p>Straggler: rank {straggler.rank}, {esc(straggler.phase)} {straggler.excess_ms:+.1f} ms over the "
-            "median of the other ranks.</p>"
+            f"<p>Straggler: rank {straggler.rank}{esc(f' on {straggler.node}' if straggler.node else '')}, "
+            f"{esc(straggler.phase)} {straggler.excess_ms:+.1f} ms over the median of the other ranks.</p>"
         )
     if summary.exit and summary.exit.reason in ABNORMAL_EXITS:
         parts.append(f'<p class="warn">{esc(exit_line(summary))}.</p>')
@@ -123,7 +123,7 @@ def phases(summary: RunSummary) -> str:
     if not summary.phases:
         return ""
     owners = [("all ranks (mean)", summary)] if summary.ranks else [("this run", summary)]
-    owners += [(_rank_name(rank), rank) for rank in summary.ranks]
+    owners += [(_rank_name(rank), rank) for rank in shown_ranks(summary)]
     names: list[str] = []
     for _, owner in owners:
         names += [n for n, p in owner.phases.items() if n != TOTAL and not p.nested and n not in names]
@@ -143,8 +143,13 @@ def phases(summary: RunSummary) -> str:
         "<code>other</code> (time no phase claimed) add up to 100%. Hover a segment for its time per step."
     )
     parts = [f'<p class="caption">{caption}</p>', chart, _phase_table(summary)]
+    if len(shown_ranks(summary)) < len(summary.ranks):
+        parts.insert(1, f'<p class="caption">Bars for the {len(shown_ranks(summary))} slowest ranks of '
+                     f"{len(summary.ranks)}; the table below has every rank.</p>")  # fmt: skip
     if summary.ranks:
         parts.append("<h3>Per rank</h3>" + _rank_table(summary))
+    if summary.cluster and summary.cluster.nodes:
+        parts.append("<h3>Per node</h3>" + _node_table(summary))
     return _section("phases", "Where the step time goes", "".join(parts))
 
 
@@ -215,20 +220,34 @@ def _phase_table(summary: RunSummary) -> str:
 
 def _rank_table(summary: RunSummary) -> str:
     names = [n for n in summary.phases if n != TOTAL]
-    headers = ["rank", "step ms", *(f"{n} ms" for n in names), "samples/s"]
+    nodes = bool(summary.cluster and summary.cluster.nodes)
+    headers = ["rank", *(["node"] if nodes else []), "step ms", *(f"{n} ms" for n in names), "samples/s"]
     rows = []
     for rank in summary.ranks:
         p = rank.phases
-        row = [_rank_name(rank), _ms(p[TOTAL].mean_ms) if TOTAL in p else "-"]
+        row = [
+            _rank_name(rank),
+            *([esc(rank.meta.node)] if nodes else []),
+            _ms(p[TOTAL].mean_ms) if TOTAL in p else "-",
+        ]
         row += [_ms(p[n].mean_ms) if n in p else "-" for n in names]
         row.append(_rate(rank.throughput.samples_per_s))
         rows.append(row)
-    return _table(headers, rows, numeric_from=1)
+    return _table(headers, rows, numeric_from=2 if nodes else 1)
+
+
+def _node_table(summary: RunSummary) -> str:
+    rows = [
+        [row["node"], rank_list(row["ranks"]), _rate(row["samples_per_s"]), _ms(row["step_ms"]),
+         _ms(row.get("comms_ms"))]
+        for row in summary.cluster.nodes  # type: ignore[union-attr]
+    ]  # fmt: skip
+    return _table(["node", "ranks", "samples/s", "step ms", "comms ms"], rows, numeric_from=2)
 
 
 def step_time(summary: RunSummary) -> str:
     """Host step time over the whole run, per rank, warm-up shaded; "" without a step-time series."""
-    owners = [(_rank_name(r), r, r.series) for r in summary.ranks if r.series] if summary.ranks else []
+    owners = [(_rank_name(r), r, r.series) for r in shown_ranks(summary) if r.series] if summary.ranks else []
     if not summary.ranks and summary.series:
         owners = [("step time", summary, summary.series)]
     if not owners:
@@ -273,7 +292,7 @@ def step_time(summary: RunSummary) -> str:
 def system(summary: RunSummary) -> str:
     """GPU utilisation, SM clock and power, and host CPU over time, with their averages and the derived signals;
     "" when nothing was sampled."""
-    sources = [(_rank_name(r) + " · ", r.system) for r in summary.ranks if r.system] if summary.ranks else []
+    sources = [(_rank_name(r) + " · ", r.system) for r in shown_ranks(summary) if r.system] if summary.ranks else []
     if not summary.ranks and summary.system:
         sources = [("", summary.system)]
     gpu, power, cpu = [], [], []
@@ -650,6 +669,9 @@ def run_info(summary: RunSummary) -> str:
     line = exit_line(summary)
     if line:
         rows.append(["exit", line])
+    line = applied_line(summary)  # `--apply`: the fixes applied to this run, and where
+    if line:
+        rows.append(["applied", line.removeprefix("applied: ")])
     parts = [_table(["", ""], rows, header=False)]
     if summary.notes:
         parts.append(f'<h3>Notes</h3><div class="notes">{_list(summary.notes)}</div>')

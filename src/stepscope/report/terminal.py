@@ -131,24 +131,74 @@ def eval_line(summary: RunSummary) -> str | None:
     )
 
 
+RANK_ROWS = 16  # a larger job's table shows its slowest ranks: 1,024 rows would bury the rest of the report
+
+
+def shown_ranks(summary: RunSummary) -> list[RunSummary]:
+    """The ranks a table shows: all of them up to ``RANK_ROWS``, else the slowest by mean step time (the straggler
+    first among equals), in rank order."""
+    ranks = summary.ranks
+    if len(ranks) <= RANK_ROWS:
+        return ranks
+    slowest = sorted(ranks, key=lambda r: -(r.phases[TOTAL].mean_ms if TOTAL in r.phases else 0.0))[:RANK_ROWS]
+    return sorted(slowest, key=lambda r: r.meta.rank or 0)
+
+
 def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
-    """One row per rank: step time, each phase's mean, samples/s."""
+    """One row per rank (the slowest ``RANK_ROWS`` of a larger job): its node when the job spans several, step
+    time, each phase's mean, samples/s."""
     names = [n for n in summary.phases if n != TOTAL]
+    nodes = bool(summary.cluster and summary.cluster.nodes)
     table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("rank")
+    if nodes:
+        table.add_column("node", no_wrap=True)
     table.add_column("step ms", justify="right")
     for name in names:
         table.add_column(f"{escape(terminal_safe(name))} ms", justify="right")
     table.add_column("samples/s", justify="right")
-    for rank in summary.ranks:
+    for rank in shown_ranks(summary):
         phases = rank.phases
         row = [str(rank.meta.rank if rank.meta.rank is not None else "?")]
+        if nodes:
+            row.append(escape(terminal_safe(rank.meta.node)))
         row.append(_fmt_ms(phases[TOTAL].mean_ms) if TOTAL in phases else "-")
         row += [_fmt_ms(phases[n].mean_ms) if n in phases else "-" for n in names]
         rate = rank.throughput.samples_per_s
         row.append("-" if rate is None else f"{rate:.1f}")
         table.add_row(*row)
     return table
+
+
+def node_table(summary: RunSummary, ascii_only: bool = False) -> Table:
+    """One row per node of a multi-node job: its ranks, samples/s, mean step and comms time."""
+    table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for header in ("node", "ranks", "samples/s", "step ms", "comms ms"):
+        table.add_column(header, justify="left" if header in ("node", "ranks") else "right", no_wrap=True)
+    for row in summary.cluster.nodes if summary.cluster else []:
+        rate, step, comms = row["samples_per_s"], row["step_ms"], row.get("comms_ms")
+        table.add_row(
+            escape(terminal_safe(row["node"])),
+            rank_list(row["ranks"]),
+            "-" if rate is None else f"{rate:.1f}",
+            "-" if step is None else _fmt_ms(step),
+            "-" if comms is None else _fmt_ms(comms),
+        )
+    return table
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``0-3, 8`` for [0, 1, 2, 3, 8]: runs of consecutive ranks as ranges."""
+    parts, ordered = [], sorted(ranks)
+    start = prev = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ", ".join(parts)
 
 
 def exit_line(summary: RunSummary) -> str | None:
@@ -232,6 +282,23 @@ def split_contention(evidence: list[str]) -> tuple[str | None, list[str]]:
     return (None if line is None else line.removeprefix(OVERSUBSCRIBED)), rest
 
 
+def applied_line(summary: RunSummary) -> str | None:
+    """``--apply``: each requested fix, where it applied or why not, in one line (None when none was asked for)."""
+    if not summary.applied:
+        return None
+    parts = []
+    for fix in summary.applied:
+        value = fix.get("value")
+        name = f"{fix['id']}={('on' if value else 'off') if isinstance(value, bool) else value}"
+        if fix.get("applied"):
+            extra = [fix["where"]] + ([f"not at {fix['why']}"] if fix.get("why") else [])
+            extra += [f"ignored the script's {what}" for what in fix.get("ignored", [])]
+            parts.append(f"{name} ({'; '.join(extra)})")
+        else:
+            parts.append(f"{name} NOT applied ({fix.get('why')})")
+    return "applied: " + ", ".join(parts)
+
+
 def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line: bool = True) -> None:
     """Print the phase table, throughput, verdict and notes of a summary (and its ranks, for several)."""
     console = _console(file)
@@ -240,6 +307,9 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
         terminal_safe(f"stepscope · {summary.meta.command or 'run'} · {summary.meta.device} · timing: {timing}"),
         markup=False,
     )
+    line = applied_line(summary)
+    if line:
+        console.print(terminal_safe(line), markup=False)
     if summary.phases:
         console.print(phase_table(summary, ascii_only=_plain(console)))
         for line in hotspot_lines(summary):
@@ -263,11 +333,21 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
         console.print(terminal_safe(line), markup=False)
     if summary.ranks:
         cluster = summary.cluster
-        console.print(f"ranks: {len(summary.ranks)} of {cluster.world_size if cluster else '?'} reported", markup=False)
+        world = cluster.world_size if cluster else "?"
+        shown = len(shown_ranks(summary))
+        slowest = f"; the {shown} slowest shown" if shown < len(summary.ranks) else ""
+        missing = f"; missing: {rank_list(cluster.missing_ranks)}" if cluster and cluster.missing_ranks else ""
+        console.print(f"ranks: {len(summary.ranks)} of {world} reported{missing}{slowest}", markup=False)
         console.print(rank_table(summary, ascii_only=_plain(console)))
+        if cluster and cluster.nodes:
+            console.print(f"nodes: {len(cluster.nodes)}", markup=False)
+            console.print(node_table(summary, ascii_only=_plain(console)))
         if cluster and cluster.straggler:
             s = cluster.straggler
-            line = f"straggler: rank {s.rank}, {s.phase} +{s.excess_ms:.1f} ms over the median of the other ranks"
+            where = f" on {s.node}" if s.node else ""
+            line = (
+                f"straggler: rank {s.rank}{where}, {s.phase} +{s.excess_ms:.1f} ms over the median of the other ranks"
+            )
             console.print(terminal_safe(line), markup=False)
     line = exit_line(summary)
     if line:
@@ -481,7 +561,7 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     current = loader["settings"]
     for trial in result["sweep"]:
-        note = trial["error"] or ("" if trial["safe"] else "too much memory")
+        note = trial["error"] or trial.get("incomplete") or ("" if trial["safe"] else "too much memory")
         if trial["settings"] == current:
             note = (note + " (current)").strip()
         table.add_row(

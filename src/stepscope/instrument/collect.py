@@ -1,0 +1,153 @@
+"""Gather the rank summaries of one job from files and folders: what ``stepscope merge`` and ``run --out`` read.
+
+A job's summaries arrive in many shapes: one file per rank in a shared ``--out`` folder, one merged summary per
+node (``run --json`` on each node), or both at once (a folder that also holds an earlier merge's output). Every
+input is flattened to rank summaries; the same process's summary seen twice (a rank file and a node summary that
+holds it, a checkpoint and the final write) counts once; and summaries of different jobs are refused with the
+reason, because merging them would make a rank table of two jobs and name a straggler that never existed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stepscope.summary import RunSummary, SummaryError
+
+RANK_FILES = "rank*-pid*.json"
+
+
+class MergeError(ValueError):
+    """The inputs cannot be merged into one job (different jobs, nothing readable); the message says why."""
+
+
+@dataclass
+class Gathered:
+    """The rank summaries found, where each came from, and what could not be read."""
+
+    ranks: list[RunSummary] = field(default_factory=list)
+    sources: dict[int, str] = field(default_factory=dict)  # id(rank summary) -> the file it was read from
+    notes: list[str] = field(default_factory=list)
+    lint: list[dict[str, Any]] | None = None  # a `doctor` summary's static findings: the job gets a doctor's report
+
+
+def _rank(summary: RunSummary) -> int:
+    return summary.meta.rank if summary.meta.rank is not None else 0
+
+
+def _files(inputs: Iterable[str | Path]) -> list[Path]:
+    """Every summary file named, or found directly in a named folder (``*.json``, sorted)."""
+    files = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            files += sorted(p for p in path.glob("*.json") if p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise MergeError(f"{item}: no such file or folder.")
+    return files
+
+
+def _final(summary: RunSummary) -> bool:
+    return summary.exit is None or summary.exit.reason != "running"
+
+
+def _key(summary: RunSummary) -> tuple[str | None, int, str, int | None]:
+    meta = summary.meta
+    return meta.job_id, _rank(summary), meta.hostname, meta.pid
+
+
+def gather(inputs: Iterable[str | Path]) -> Gathered:
+    """Read the summaries in ``inputs`` (files, and folders of them) as rank summaries. A file that is not a
+    stepscope summary, or is broken, is a note and is skipped; raises MergeError when a named path does not exist
+    or nothing could be read."""
+    found = Gathered()
+    chosen: dict[tuple[str | None, int, str, int | None], RunSummary] = {}
+    files = _files(inputs)
+    for path in files:
+        try:
+            summary = RunSummary.from_json(path)
+        except SummaryError as error:
+            found.notes.append(f"{path} was skipped: {error}")
+            continue
+        if summary.fixes or "lint" in summary.facts:
+            found.lint = found.lint or summary.facts.get("lint", [])
+        for rank in summary.ranks or [summary]:
+            key = _key(rank)
+            kept = chosen.get(key)
+            # The same process twice: its final summary over a checkpoint, then the one with more steps.
+            if kept is None or (_final(rank), rank.steps.measured) > (_final(kept), kept.steps.measured):
+                chosen[key] = rank
+                found.sources[id(rank)] = str(path)
+    if not chosen:
+        raise MergeError(
+            f"no stepscope summary could be read from {', '.join(map(str, inputs))}"
+            + (f" ({len(files)} file(s) skipped; see above)" if files else " (no .json files there)")
+            + "."
+        )
+    found.ranks = sorted(chosen.values(), key=_rank)
+    return found
+
+
+def check_one_job(found: Gathered) -> int | None:
+    """Raise MergeError when the summaries are not one job's: different job ids, different world sizes, or one
+    rank reported by two processes. Returns the job's world size (None when no summary says)."""
+    ranks, where = found.ranks, found.sources
+
+    def described(rank: RunSummary) -> str:
+        return f"{where.get(id(rank), '?')}"
+
+    jobs: dict[str, list[RunSummary]] = {}
+    for r in ranks:
+        if r.meta.job_id is not None:
+            jobs.setdefault(r.meta.job_id, []).append(r)
+    if len(jobs) > 1:
+        parts = [f"{job} ({len(members)} rank(s), e.g. {described(members[0])})" for job, members in jobs.items()]
+        raise MergeError(
+            f"these summaries are from {len(jobs)} different jobs: {'; '.join(parts)}. Merge each job's summaries "
+            "on their own."
+        )
+    worlds = {r.meta.world_size for r in ranks if r.meta.world_size is not None}
+    if len(worlds) > 1:
+        raise MergeError(
+            f"these summaries disagree on the job's world size ({', '.join(map(str, sorted(worlds)))}): they are from "
+            "different jobs (or runs of one job at different scales: compare those with `stepscope scale`)."
+        )
+    seen: dict[int, RunSummary] = {}
+    for r in ranks:
+        other = seen.setdefault(_rank(r), r)
+        if other is not r:
+            raise MergeError(
+                f"rank {_rank(r)} was reported by two processes ({other.meta.node} pid {other.meta.pid} in "
+                f"{described(other)}; {r.meta.node} pid {r.meta.pid} in {described(r)}): these are two jobs, or two "
+                "runs of one, and merging them would mix them. Merge each run's summaries on their own."
+            )
+    return next(iter(worlds), None)
+
+
+def wait_for_ranks(folder: Path, job_id: str | None, world: int, timeout_s: float, poll_s: float = 0.5) -> list[int]:
+    """Wait up to ``timeout_s`` until every rank of the job has written its final summary into ``folder`` (the
+    job's other nodes may still be finishing when this node's command ends). Returns the ranks still missing."""
+    deadline = time.monotonic() + timeout_s
+    done: set[int] = set()
+    read: dict[Path, float] = {}
+    while True:
+        for path in folder.glob(RANK_FILES):
+            try:
+                mtime = path.stat().st_mtime
+                if read.get(path) == mtime:
+                    continue
+                read[path] = mtime
+                summary = RunSummary.from_json(path)
+            except (OSError, SummaryError):
+                continue  # being replaced right now: read it next time
+            if summary.meta.job_id == job_id and _final(summary):
+                done.add(_rank(summary))
+        missing = sorted(set(range(world)) - done)
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(poll_s)
