@@ -143,9 +143,13 @@ def phases(summary: RunSummary) -> str:
         "<code>other</code> (time no phase claimed) add up to 100%. Hover a segment for its time per step."
     )
     parts = [f'<p class="caption">{caption}</p>', chart, _phase_table(summary)]
-    if len(shown_ranks(summary)) < len(summary.ranks):
-        parts.insert(1, f'<p class="caption">Bars for the {len(shown_ranks(summary))} slowest ranks of '
-                     f"{len(summary.ranks)}; the table below has every rank.</p>")  # fmt: skip
+    shown = len(shown_ranks(summary))
+    if shown < len(summary.ranks):
+        parts.insert(
+            1,
+            f'<p class="caption">Bars for the {shown} of {len(summary.ranks)} ranks farthest from the median (the '
+            "straggler first); the table below has every rank.</p>",
+        )
     if summary.ranks:
         parts.append("<h3>Per rank</h3>" + _rank_table(summary))
     if summary.cluster and summary.cluster.nodes:

@@ -7,8 +7,10 @@ read as rich markup.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import statistics
 import sys
 import textwrap
 from typing import IO
@@ -131,17 +133,25 @@ def eval_line(summary: RunSummary) -> str | None:
     )
 
 
-RANK_ROWS = 16  # a larger job's table shows its slowest ranks: 1,024 rows would bury the rest of the report
+RANK_ROWS = 16  # a larger job's table shows its outliers: 1,024 rows would bury the rest of the report
 
 
 def shown_ranks(summary: RunSummary) -> list[RunSummary]:
-    """The ranks a table shows: all of them up to ``RANK_ROWS``, else the slowest by mean step time (the straggler
-    first among equals), in rank order."""
+    """The ranks a table shows: all of them up to ``RANK_ROWS``, else the straggler and the ranks farthest from
+    the job's median in any phase (in synchronous training every rank's step time is the job's: the outliers are
+    in the phases), in rank order."""
     ranks = summary.ranks
     if len(ranks) <= RANK_ROWS:
         return ranks
-    slowest = sorted(ranks, key=lambda r: -(r.phases[TOTAL].mean_ms if TOTAL in r.phases else 0.0))[:RANK_ROWS]
-    return sorted(slowest, key=lambda r: r.meta.rank or 0)
+    names = [n for n in summary.phases if n != TOTAL]
+    medians = {n: statistics.median(r.phases[n].mean_ms for r in ranks if n in r.phases) for n in names}
+
+    def distance(rank: RunSummary) -> float:
+        if summary.cluster and summary.cluster.straggler and rank.meta.rank == summary.cluster.straggler.rank:
+            return math.inf
+        return max((abs(rank.phases[n].mean_ms - medians[n]) for n in names if n in rank.phases), default=0.0)
+
+    return sorted(sorted(ranks, key=distance, reverse=True)[:RANK_ROWS], key=lambda r: r.meta.rank or 0)
 
 
 def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
@@ -335,7 +345,7 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
         cluster = summary.cluster
         world = cluster.world_size if cluster else "?"
         shown = len(shown_ranks(summary))
-        slowest = f"; the {shown} slowest shown" if shown < len(summary.ranks) else ""
+        slowest = f"; the {shown} farthest from the median shown" if shown < len(summary.ranks) else ""
         missing = f"; missing: {rank_list(cluster.missing_ranks)}" if cluster and cluster.missing_ranks else ""
         console.print(f"ranks: {len(summary.ranks)} of {world} reported{missing}{slowest}", markup=False)
         console.print(rank_table(summary, ascii_only=_plain(console)))
