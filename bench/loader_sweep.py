@@ -6,9 +6,10 @@ For each workload — a CPU-bound dataset (every sample busy-waits --sample-ms, 
 
 1. swept --sweeps times with `sweep_loader` at its default batches/warm-up (100 / 10) and --budget-s: wall time
    of each sweep and the setting it names best;
-2. measured exhaustively: every first-round candidate (`candidate_settings`, same cores), every setting a sweep
-   tried (it goes past the cores when the workers mostly wait), and the --beyond worker counts, each rebuilt fresh
-   and measured with `measure_loader` for --batches batches after --warmup, --repeats times in round-robin order
+2. measured exhaustively: every first-round candidate (`candidate_settings` up to `worker_cap`, same cores), every
+   setting a sweep tried (it goes past the cap when the workers mostly wait), and the --beyond worker counts, each
+   rebuilt fresh and measured with `measure_loader` for --batches batches after --warmup, --repeats times in
+   round-robin order
    (so that drift on a shared machine hits every setting alike); the median samples/s per setting, and the best.
 
 The figure of merit is pick_rate / best_rate: the exhaustive median rate of the setting the sweep picked over the
@@ -41,6 +42,7 @@ from stepscope.analyses.loader import (
     measure_loader,
     rebuild_loader,
     sweep_loader,
+    worker_cap,
 )
 from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
 
@@ -123,7 +125,7 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
     tried = [t.settings for run in sweep_runs for t in run.trials]
     settings_all: list[LoaderSettings] = []
     for settings in [
-        *candidate_settings(current, cores, torch.cuda.is_available()),
+        *candidate_settings(current, worker_cap(cores), torch.cuda.is_available()),
         *tried,
         *(LoaderSettings(int(w), 2, False, True) for w in filter(None, args.beyond.split(","))),
     ]:

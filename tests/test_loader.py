@@ -482,12 +482,12 @@ def S(workers: int, prefetch: int | None = None, pin: bool = False, persistent: 
 
 
 def test_candidates_on_two_cores_without_cuda():
-    found = candidate_settings(S(0, persistent=False), cores=2, cuda=False)
+    found = candidate_settings(S(0, persistent=False), max_workers=2, cuda=False)
     assert found == [S(0), S(1, 2), S(2, 2), S(1, 4), S(2, 4)]
 
 
 def test_candidates_with_cuda_add_pinned_copies_after_unpinned():
-    found = candidate_settings(S(0, persistent=False), cores=2, cuda=True)
+    found = candidate_settings(S(0, persistent=False), max_workers=2, cuda=True)
     assert found == [
         S(0),
         S(1, 2),
@@ -503,7 +503,7 @@ def test_candidates_with_cuda_add_pinned_copies_after_unpinned():
 
 
 def test_candidates_powers_of_two_up_to_the_cores_and_the_current_count():
-    found = candidate_settings(S(3, 2, persistent=False), cores=6, cuda=False)
+    found = candidate_settings(S(3, 2, persistent=False), max_workers=6, cuda=False)
     assert found[0] == S(3, 2, persistent=False)  # the current setting first, as it is
     assert [(s.num_workers, s.prefetch_factor) for s in found[1:]] == [
         (0, None),
@@ -521,16 +521,16 @@ def test_candidates_powers_of_two_up_to_the_cores_and_the_current_count():
 
 def test_candidates_dedup_the_current_setting_whatever_its_persistence():
     current = S(2, 2, persistent=False)
-    found = candidate_settings(current, cores=2, cuda=False)
+    found = candidate_settings(current, max_workers=2, cuda=False)
     assert found == [current, S(0), S(1, 2), S(1, 4), S(2, 4)]
     keys = [(s.num_workers, s.prefetch_factor or 2, s.pin_memory) for s in found]
     assert len(keys) == len(set(keys))
 
 
 def test_candidates_keep_more_workers_than_cores_when_current():
-    found = candidate_settings(S(8, 2), cores=2, cuda=False)
+    found = candidate_settings(S(8, 2), max_workers=2, cuda=False)
     assert sorted({s.num_workers for s in found}) == [0, 1, 2, 8]
-    assert candidate_settings(S(0), cores=1, cuda=False) == [S(0), S(1, 2), S(1, 4)]
+    assert candidate_settings(S(0), max_workers=1, cuda=False) == [S(0), S(1, 2), S(1, 4)]
 
 
 def test_snippet():
@@ -547,8 +547,9 @@ def test_sweep_of_a_cpu_bound_dataset_ranks_its_trials_within_its_budget():
     # 2 ms of CPU per sample, batches of 8. How much 1-2 workers gain, and whether the workers look busy enough to
     # stop at the cores, depend on the CPU other work leaves them: bench/loader_sweep.py measures the gain
     # (docs/benchmarks.md: 1.8x for 2 workers against none on this VM when quiet; the sweep stops at 2 workers).
+    # 3 usable cores: a cap of 2 workers (one core kept for training).
     loader = DataLoader(BusyDataset(8 * 400, sample_ms=2.0), batch_size=8, shuffle=True)
-    sweep = sweep_loader(loader, budget_s=15, batches=20, warmup=3, cores=2)
+    sweep = sweep_loader(loader, budget_s=15, batches=20, warmup=3, cores=3)
     assert isinstance(sweep, SweepResult)
     assert sweep.current == S(0, persistent=False)
     assert [t.settings for t in sweep.trials if t.settings.num_workers == 0] == [sweep.current]
@@ -577,7 +578,7 @@ def test_sweep_finds_that_workers_help_an_io_bound_dataset():
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_sweep_reports_worker_failures_per_setting(how):
     loader = DataLoader(FailsInWorkers(how=how), batch_size=4)
-    sweep = sweep_loader(loader, budget_s=20, batches=10, warmup=2, cores=2)
+    sweep = sweep_loader(loader, budget_s=20, batches=10, warmup=2, cores=3)
     by_workers = {(t.settings.num_workers, t.settings.prefetch_factor): t for t in sweep.trials}
     assert set(by_workers) == {(0, None), (1, 2), (2, 2), (1, 4), (2, 4)}, sweep
     assert by_workers[0, None].error is None
@@ -615,7 +616,7 @@ def test_spawned_workers_with_unpicklable_parts_fail_with_a_pickling_error_per_s
         collate = OffsetCollate()
     loader = DataLoader(dataset, batch_size=4, num_workers=1, multiprocessing_context="spawn", collate_fn=collate)
     with pytest.warns(UserWarning, match="pickle"):
-        sweep = sweep_loader(loader, budget_s=20, batches=5, warmup=1, cores=2)
+        sweep = sweep_loader(loader, budget_s=20, batches=5, warmup=1, cores=3)
     worker_trials = [t for t in sweep.trials if t.settings.num_workers > 0]
     assert sorted((t.settings.num_workers, t.settings.prefetch_factor) for t in worker_trials) == [
         (1, 2),
@@ -637,7 +638,7 @@ def test_no_worker_setting_is_tried_for_a_loader_with_a_multiprocessing_context(
     rebuilt = rebuild_loader(loader, S(0, persistent=False))  # torch refuses a context without workers
     assert settings_of(rebuilt).num_workers == 0
     with pytest.warns(UserWarning, match="pickle"):
-        sweep = sweep_loader(loader, budget_s=20, batches=5, warmup=1, cores=2)
+        sweep = sweep_loader(loader, budget_s=20, batches=5, warmup=1, cores=3)
     assert sweep.skipped == []
     assert sweep.best is not None and sweep.best.settings.num_workers == 0
 
@@ -652,7 +653,7 @@ def test_sweep_skips_settings_it_cannot_rebuild_and_says_why(monkeypatch):
 
     monkeypatch.setattr(loader_mod, "rebuild_loader", refuse_two_workers)
     loader = DataLoader(TensorDataset(torch.zeros(400, 2)), batch_size=4)
-    sweep = sweep_loader(loader, budget_s=20, batches=10, warmup=1, cores=2)
+    sweep = sweep_loader(loader, budget_s=20, batches=10, warmup=1, cores=3)
     assert sorted(t.settings.num_workers for t in sweep.trials) == [0, 1, 1]
     assert sweep.skipped == [
         "DataLoader(dataset, ..., num_workers=2, prefetch_factor=2, persistent_workers=True, pin_memory=False): "
@@ -666,7 +667,7 @@ def test_sweep_stops_at_the_budget_and_lists_what_it_did_not_try():
     # 2 ms per batch without workers: 12 batches take ~25 ms; a 0.1 s budget has room for the current setting
     # and perhaps one more, not for all five.
     loader = DataLoader(SleepyDataset(400, sample_ms=2.0), batch_size=1)
-    sweep = sweep_loader(loader, budget_s=0.1, batches=10, warmup=2, cores=2)
+    sweep = sweep_loader(loader, budget_s=0.1, batches=10, warmup=2, cores=3)
     assert len(sweep.trials) + len(sweep.skipped) == 5, sweep
     assert sweep.skipped, sweep
     # Not started, or (on a loaded machine) started and cut during its warm-up: the budget either way.
@@ -719,7 +720,7 @@ def test_sweep_prefers_the_fastest_setting_that_leaves_memory_to_spare(monkeypat
     fake = FakeCollectors([roomy, tight, tight, tight, tight])
     monkeypatch.setattr(stepscope.collectors, "start_collectors", fake)
     loader = DataLoader(SleepyDataset(8 * 200, sample_ms=1.0), batch_size=8)
-    sweep = sweep_loader(loader, budget_s=15, batches=10, warmup=2, cores=2)
+    sweep = sweep_loader(loader, budget_s=15, batches=10, warmup=2, cores=3)
     assert fake.started == 5
     unsafe = [t for t in sweep.trials if not t.safe]
     assert len(unsafe) == 4 and all(t.settings.num_workers > 0 for t in unsafe), sweep
@@ -804,6 +805,7 @@ def test_combine_ranks_carries_the_sweep():
         "workers_cpu_pct",
         "safe",
         "error",
+        "incomplete",
     }
     assert out["best"] == {"settings": dataclasses.asdict(S(2, 2)), "samples_per_s": 300.0, "gain": 2.0}
     assert out["sweep_skipped"] == ["x: why"]
@@ -857,3 +859,124 @@ def test_run_loader_job_reports_errors_instead_of_raising():
 
     found = run_loader_job(DataLoader(Broken(), batch_size=4), JOB, position=0)
     assert found["error"].startswith("KeyError")
+
+
+# -- complete windows, the worker cap, and one recommendation with the doctor (issue 20) ---------------------------
+
+SAMPLE_MS = 2.0  # examples/plain_train.py's shape, smaller: 256 samples sleeping 2 ms each, batches of 16
+PLAIN_SAMPLES, PLAIN_BATCH = 256, 16
+
+
+def test_restart_completes_the_window_across_epochs(clock):
+    # 5 batches per epoch: 2 warm-up + 8 measured need a second epoch; the rate covers all 8 at 1 ms each.
+    result = measure_loader(Scripted(clock, [1.0] * 5), batches=8, warmup=2, clock=clock, restart=True)
+    assert (result.batches, result.epochs, result.ended_early, result.notes) == (8, 2, False, [])
+    assert result.batches_per_s == pytest.approx(1000.0)
+    plain = measure_loader(Scripted(clock, [1.0] * 5), batches=8, warmup=2, clock=clock)
+    assert (plain.batches, plain.epochs, plain.ended_early) == (3, 1, True)
+
+
+def test_trial_counts_keep_start_up_out_and_align_short_epochs_to_whole_ones():
+    loader = DataLoader(TensorDataset(torch.zeros(PLAIN_SAMPLES, 2)), batch_size=PLAIN_BATCH)  # 16 batches an epoch
+    assert loader_mod.trial_counts(loader, S(0), batches=20, warmup=3) == (32, 16)
+    assert loader_mod.trial_counts(loader, S(32, 4), batches=20, warmup=3) == (32, 128)  # 128 fetched ahead
+    long = DataLoader(TensorDataset(torch.zeros(10_000, 2)), batch_size=PLAIN_BATCH)
+    assert loader_mod.trial_counts(long, S(4, 2), batches=20, warmup=3) == (20, 8)  # mid-epoch: no rounding
+
+
+@pytest.fixture(scope="module")
+def starved():
+    """One `stepscope dataloader --sweep` job on a plain_train-shaped loader (sleeping samples, no workers), with
+    every warning recorded: (job result, warnings)."""
+    loader = DataLoader(SleepyDataset(PLAIN_SAMPLES, sample_ms=SAMPLE_MS), batch_size=PLAIN_BATCH)
+    job = {**JOB, "batches": 20, "warmup": 3, "sweep": True, "budget_s": 60.0, "sweep_batches": 20, "sweep_warmup": 3}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = run_loader_job(loader, job, position=0)
+    return found, caught
+
+
+def test_sweep_rates_stay_within_the_physical_bound_and_the_best_within_the_machine(starved):
+    found, _ = starved
+    sweep = found["sweep"]
+    trials = [t for t in sweep["trials"] if t["samples_per_s"] is not None and not t["incomplete"]]
+    assert len(trials) >= 3, sweep
+    for trial in trials:
+        # Every sample sleeps 2 ms in some process: N workers load at most N × 500 samples/s (the main process
+        # 500 without workers). A window that counted prefetched batches read far above this (issue 20).
+        bound = max(1, trial["settings"]["num_workers"]) * 1000 / SAMPLE_MS
+        assert trial["samples_per_s"] <= 1.02 * bound, trial
+    best = sweep["best"]
+    assert best is not None and best["settings"]["num_workers"] >= 1, sweep  # workers overlap the sleeps
+    cap, _ = loader_mod.machine_worker_cap()
+    workers = best["settings"]["num_workers"]
+    if workers > cap:  # only because the workers were measured to wait, and the sweep says so
+        assert best["workers_cpu_pct"] < 100 * loader_mod.WAITING_WORKERS_CPU * workers, best
+        assert any(f"more workers than the cap of {cap}" in note for note in sweep["notes"]), sweep["notes"]
+
+
+def test_no_worker_count_warning_leaks_from_the_sweep(starved):
+    found, caught = starved
+    tried = max(t["settings"]["num_workers"] for t in found["sweep"]["trials"])
+    assert tried > (os.cpu_count() or 1) or tried == loader_mod.MAX_WORKERS  # torch would have warned
+    assert [str(w.message) for w in caught if "DataLoader will create" in str(w.message)] == []
+
+
+def test_doctor_and_sweep_give_one_recommendation_on_a_starved_loader(starved):
+    from stepscope.doctor.rules import Case, diagnose
+    from stepscope.summary import LoaderInfo, PhaseStats, RunSummary, Steps
+
+    cores = 2
+    summary = RunSummary(
+        steps=Steps(warmup=5, measured=20),
+        phases={"data_wait": PhaseStats(30.0, 30.0, 30.0, 0.9, 20), "total": PhaseStats(33.0, 33.0, 33.0, 1.0, 20)},
+        loaders=[LoaderInfo(0, "SleepyDataset", PLAIN_BATCH, 0, False, False, None, False, False, 16, 20, 320, 0.6)],
+        facts={"threads": {"cores": cores}},
+    )
+
+    def advised() -> int:
+        fixes, _ = diagnose(Case(summary))
+        how = next(f for f in fixes if f.id == "loader.num_workers").how
+        return int(how.split("num_workers=")[1].split(",")[0])
+
+    # Without a sweep: the doctor's advice is the sweep's own cap, one rule for both.
+    current = LoaderSettings(0, None, False, False)
+    assert (
+        advised()
+        == loader_mod.worker_cap(cores)
+        == max(s.num_workers for s in candidate_settings(current, loader_mod.worker_cap(cores), cuda=False))
+    )
+    # With the sweep's result in the summary: the doctor advises what the sweep measured best.
+    found, _ = starved
+    summary.dataloader = combine_ranks({0: found}, None)
+    assert advised() == summary.dataloader["best"]["settings"]["num_workers"] >= 1
+
+
+class ReadOnce(IterableDataset):
+    """A stream that can be read once (a queue, a socket): ``n`` samples in all, shared by every worker and epoch."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing
+
+        self.n = n
+        self.taken = multiprocessing.Value("i", 0)
+
+    def __iter__(self):
+        while True:
+            with self.taken.get_lock():
+                i = self.taken.value
+                self.taken.value += 1
+            if i >= self.n:
+                return
+            yield torch.tensor([float(i)])
+
+
+def test_a_trial_that_runs_out_of_data_is_flagged_not_ranked():
+    loader = DataLoader(ReadOnce(8 * 4), batch_size=4)  # 8 batches, once: a new epoch yields nothing
+    sweep = sweep_loader(loader, budget_s=20, batches=10, warmup=2, cores=3)
+    first = next(t for t in sweep.trials if t.settings == sweep.current)
+    assert first.incomplete == "ran out of data after 8 batches (6 of 10 measured)", first
+    assert first.samples_per_s is not None  # shown with its flag ...
+    assert sweep.best is None and sweep.gain is None, sweep  # ... never ranked best on a partial window
+    rows = combine_ranks({0: {**rank_result(100.0), "sweep": sweep.to_dict()}}, None)["sweep"]
+    assert rows[0]["incomplete"] == first.incomplete

@@ -9,7 +9,10 @@ after the last batch is fine).
 ``sweep_loader`` rebuilds the loader around the same dataset, sampler, collate function and batch size with other
 ``num_workers`` / ``prefetch_factor`` / ``pin_memory`` settings, measures each within a time budget (after its
 own warm-up; worker start-up reported apart), records the peak RSS of the process tree per setting, and names the
-fastest setting that leaves memory to spare.
+fastest setting that leaves memory to spare. A trial's window is complete: at the end of the data the loader
+starts a new epoch (its restart cost counted), and a trial whose window could not be completed is flagged, never
+named best. Worker counts stop at ``worker_cap`` (the rule the doctor's advice uses too) unless the workers are
+measured to mostly wait.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ MEMORY_SAFETY = 0.8  # a setting is safe when its peak RSS stays under this shar
 SWEEP_INTERVAL_S = 0.1  # RSS/CPU sampling period during a sweep trial
 WAITING_WORKERS_CPU = 0.5  # workers using less than half a core each mostly wait: more of them than cores can help
 MAX_WORKERS = 32
+# Past the cap, the most workers so far are doubled while they keep within 10% of the fastest trial: at a cap of 1
+# a single waiting worker only moves the waits out of the main process and may measure no faster than none.
+KEEP_UP = 0.9
+# torch warns at DataLoader() of more workers than it suggests; the sweep builds such loaders on purpose (waiting
+# workers), and the warning would speak of the sweep's trials as if they were the user's loader.
+WORKER_COUNT_WARNING = "This DataLoader will create"
 
 
 class LoaderError(ValueError):
@@ -77,6 +86,7 @@ class LoaderResult:
     startup_s: float  # from iter(loader) to the first batch: worker start-up and the first fetch
     ended_early: bool = False  # the loader ran out before warmup + batches
     notes: list[str] = field(default_factory=list)
+    epochs: int = 1  # iterators started: more than 1 when ``restart`` began new epochs to complete the window
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,6 +116,7 @@ class SweepTrial:
     workers_cpu_pct: float | None = None
     safe: bool = True  # peak RSS leaves memory to spare
     error: str | None = None
+    incomplete: str | None = None  # why the measured window is partial (out of data, budget): listed, never best
 
 
 @dataclass
@@ -183,10 +194,15 @@ def measure_loader(
     time_limit_s: float | None = None,
     clock: Callable[[], int] = now_ns,
     events: EventSource | None = None,
+    restart: bool = False,
 ) -> LoaderResult:
     """Iterate ``loader`` alone: ``warmup`` batches, then up to ``batches`` measured ones (fewer when it ends or
     ``time_limit_s`` runs out, said in ``notes``). ``device`` ("cuda", "cuda:1") also copies each batch there and
-    times the copy with device events (``events`` is a seam for tests). Rates in samples/s and batches/s."""
+    times the copy with device events (``events`` is a seam for tests). With ``restart``, the end of the data
+    starts a new epoch (``iter(loader)`` again) so that the window holds ``batches`` batches; the restart happens
+    inside the fetch of the next batch, so its cost (new workers without persistent_workers, an emptied prefetch
+    pipeline either way) is in the window; it ends early only when a new epoch yields nothing. Rates in samples/s
+    and batches/s."""
     if batches < 1 or warmup < 0:
         raise LoaderError(f"batches must be >= 1 and warmup >= 0, got batches={batches}, warmup={warmup}")
     settings = settings_of(loader)
@@ -203,13 +219,22 @@ def measure_loader(
     seen = 0
     deadline = None if time_limit_s is None else t_iter + int(time_limit_s * 1e9)
     ended = False
+    epochs = 1
     while len(fetch_ns) < batches:
         t0 = clock()
         try:
             batch = next(iterator)
         except StopIteration:
-            ended = True
-            break
+            if not restart:
+                ended = True
+                break
+            epochs += 1
+            iterator = iter(loader)
+            try:
+                batch = next(iterator)
+            except StopIteration:  # a new epoch with nothing in it: the data cannot fill the window
+                ended = True
+                break
         t1 = clock()
         if seen == 0:
             startup_ns = t1 - t_iter
@@ -260,6 +285,7 @@ def measure_loader(
         startup_s=startup_ns / 1e9,
         ended_early=ended and len(fetch_ns) < batches,
         notes=notes,
+        epochs=epochs,
     )
 
 
@@ -305,10 +331,34 @@ def rebuild_loader(loader: Any, settings: LoaderSettings) -> Any:
     return DataLoader(batch_sampler=batch_sampler, **common)  # a custom batch sampler, reused as it is
 
 
-def candidate_settings(current: LoaderSettings, cores: int, cuda: bool) -> list[LoaderSettings]:
-    """The settings a sweep tries, in order: the current one first, then worker counts 0, 1, 2, 4, ... up to the
-    cores (and the current count), each with prefetch_factor 2 and then 4; pinned memory only when CUDA exists."""
-    counts = sorted({0, current.num_workers, *(2**i for i in range(int(math.log2(max(cores, 1))) + 1)), cores})
+def worker_cap(cores: float, ranks_per_machine: int = 1) -> int:
+    """Loader workers per rank the machine can run busy: the usable cores (cgroup quota, else CPU affinity) shared by
+    the ranks on this machine, less one core for the training process itself; at least 1. The doctor's
+    ``loader.num_workers`` advice and the sweep's worker counts both stop here (the sweep goes further only when
+    the workers are measured to mostly wait)."""
+    return max(1, int(cores // max(ranks_per_machine, 1)) - 1)
+
+
+def machine_worker_cap() -> tuple[int, str]:
+    """``worker_cap`` for this process (its cgroup quota, else its CPU affinity; torchrun's LOCAL_WORLD_SIZE ranks
+    sharing them), and the figures it rests on, in words."""
+    import os
+
+    from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
+
+    quota = cgroup_cpu_quota()
+    cores: float = quota if quota else usable_cores()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    what = f"{cores:g} {'cores of cgroup quota' if quota else 'usable cores'}"
+    return worker_cap(cores, ranks), what + (f" for {ranks} ranks" if ranks > 1 else "")
+
+
+def candidate_settings(current: LoaderSettings, max_workers: int, cuda: bool) -> list[LoaderSettings]:
+    """The settings a sweep tries, in order: the current one first, then worker counts 0, 1, 2, 4, ... up to
+    ``max_workers`` (``worker_cap``) and the current count, each with prefetch_factor 2 and then 4; pinned memory
+    only when CUDA exists."""
+    top = max(max_workers, 1)
+    counts = sorted({0, current.num_workers, *(2**i for i in range(int(math.log2(top)) + 1)), top})
     pins = (False, True) if cuda else (False,)
     found = [current]
     for pin in pins:
@@ -336,72 +386,105 @@ def _same(a: LoaderSettings, b: LoaderSettings) -> bool:
     return key(a) == key(b)
 
 
+def trial_counts(loader: Any, settings: LoaderSettings, batches: int, warmup: int) -> tuple[int, int]:
+    """(batches, warmup) of one sweep trial. The warm-up covers at least the batches the workers fetch ahead at
+    ``iter()``, so that worker start-up and the first full prefetch buffer stay out of the window. When an epoch
+    is no longer than the window, both are rounded up to whole epochs: the window then starts and ends with an
+    empty pipeline, so every batch counted in it was loaded in it (a window that starts on a full buffer counts
+    batches loaded before it, up to workers × prefetch_factor of them)."""
+    warmup = max(warmup, settings.num_workers * (settings.prefetch_factor or 2))
+    try:
+        epoch = len(loader)
+    except TypeError:  # an IterableDataset without __len__: no epoch length to align to
+        return batches, warmup
+    if 0 < epoch <= batches:
+        return math.ceil(batches / epoch) * epoch, math.ceil(warmup / epoch) * epoch
+    return batches, warmup
+
+
 def sweep_loader(
     loader: Any,
     budget_s: float = 120.0,
     batches: int = 100,
     warmup: int = 10,
     device: str | None = None,
-    cores: int | None = None,
+    cores: float | None = None,
 ) -> SweepResult:
     """Try the settings of ``candidate_settings`` on rebuilt copies of ``loader`` until ``budget_s`` seconds are
-    spent; each trial measures ``batches`` batches after ``warmup``. Returns every trial (samples/s, start-up,
-    peak RSS of the process tree, workers' CPU), the fastest safe setting and its gain over the current one."""
+    spent; each trial measures at least ``batches`` batches after at least ``warmup`` (see ``trial_counts``),
+    starting new epochs when the data runs out. Worker counts stop at ``worker_cap`` of ``cores`` (default: this
+    process's cgroup quota, else its affinity) unless the workers mostly wait. Returns every trial (samples/s,
+    start-up, peak RSS of the process tree, workers' CPU), the fastest safe complete one and its gain over the
+    current setting."""
     from stepscope.collectors import start_collectors
-    from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
 
     started = time.monotonic()
     current = settings_of(loader)
     if current is None:
         raise LoaderError(f"a {type(loader).__name__} is not a DataLoader: there are no loader settings to sweep.")
-    quota = cgroup_cpu_quota()
-    cores = cores or max(1, int(quota) if quota else usable_cores())
+    if cores is None:
+        cap, cap_basis = machine_worker_cap()
+    else:
+        cap, cap_basis = worker_cap(cores), f"{cores:g} usable cores"
     cuda = _cuda_available()
-    candidates = candidate_settings(current, cores, cuda)
+    candidates = candidate_settings(current, cap, cuda)
     notes = []
     if not cuda:
         notes.append("pin_memory was not tried: torch sees no CUDA device, so pinned memory would change nothing")
     if loader._dataset_kind == 1:
         notes.append(
             "an IterableDataset: with several workers each worker iterates the whole dataset unless its __iter__ "
-            "splits the work with torch.utils.data.get_worker_info(); the rates assume it does"
+            "splits the work with get_worker_info(); the rates assume it does"
         )
     trials: list[SweepTrial] = []
     skipped: list[str] = []
     index = 0
     while True:
         if index == len(candidates):
-            more = _beyond_cores(trials, candidates)  # workers that mostly wait: try more of them than cores
+            more = _beyond_cores(trials, candidates)  # workers that mostly wait: try more of them than the cap
             if not more:
                 break
+            if all(c.num_workers <= cap for c in candidates):
+                notes.append(_beyond_note(trials, cap, cap_basis))
             candidates += more
         settings = candidates[index]
         index += 1
+        trial_batches, trial_warmup = trial_counts(loader, settings, batches, warmup)
         left = budget_s - (time.monotonic() - started)
-        if left <= 0 or (index > 1 and _expected_cost(trials, warmup + batches) > left):
+        if left <= 0 or (index > 1 and _expected_cost(trials, trial_warmup + trial_batches) > left):
             skipped += [f"{s.snippet()}: the {budget_s:g} s budget ran out" for s in candidates[index - 1 :]]
             break
         trial = SweepTrial(settings)
-        try:
-            rebuilt = loader if index == 1 else rebuild_loader(loader, settings)
-        except Exception as error:
-            skipped.append(f"{settings.snippet()}: the loader cannot be rebuilt ({type(error).__name__}: {error})")
-            continue
-        collectors = start_collectors(SWEEP_INTERVAL_S)
+        collectors = None
         try:
             with warnings.catch_warnings():
-                # torch warns of more workers than cores: the sweep tries that on purpose when workers mostly wait
-                warnings.filterwarnings("ignore", message="This DataLoader will create")
-                result = measure_loader(rebuilt, batches=batches, warmup=warmup, device=device, time_limit_s=left)
+                warnings.filterwarnings("ignore", message=WORKER_COUNT_WARNING)
+                try:
+                    rebuilt = loader if index == 1 else rebuild_loader(loader, settings)
+                except Exception as error:
+                    skipped.append(
+                        f"{settings.snippet()}: the loader cannot be rebuilt ({type(error).__name__}: {error})"
+                    )
+                    continue
+                collectors = start_collectors(SWEEP_INTERVAL_S)
+                result = measure_loader(
+                    rebuilt,
+                    batches=trial_batches,
+                    warmup=trial_warmup,
+                    device=device,
+                    time_limit_s=left,
+                    restart=True,
+                )
             trial.samples_per_s, trial.batches_per_s = result.samples_per_s, result.batches_per_s
             trial.startup_s = result.startup_s
+            trial.incomplete = _incomplete(result, trial_batches, trial_warmup, budget_s)
         except LoaderTimeout:
             skipped.append(f"{settings.snippet()}: the {budget_s:g} s budget ran out during its warm-up")
             continue
         except Exception as error:  # a worker crash or a pickling failure: this setting only
             trial.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
         finally:
-            host = collectors.stop().get("host", {})
+            host = collectors.stop().get("host", {}) if collectors is not None else {}
         trial.peak_rss_mb = host.get("peak_rss_mb")
         trial.workers_cpu_pct = host.get("workers_cpu_util_pct")
         available = host.get("mem_available_min_mb")
@@ -409,12 +492,13 @@ def sweep_loader(
             # The tree's RSS at its peak must fit in what was free plus what the tree already held.
             trial.safe = trial.peak_rss_mb <= MEMORY_SAFETY * (available + trial.peak_rss_mb)
         trials.append(trial)
-    measured = [t for t in trials if t.error is None and t.batches_per_s is not None]
+    measured = [t for t in trials if _complete(t)]
+    flagged = [t for t in trials if t.error is None and t.batches_per_s is not None and t not in measured]
     rate = _rate
-    ranked = sorted(measured, key=lambda t: -rate(t)) + [t for t in trials if t not in measured]
+    ranked = sorted(measured, key=lambda t: -rate(t)) + flagged + [t for t in trials if t.error is not None]
     safe = [t for t in ranked if t in measured and t.safe]
     best = safe[0] if safe else None
-    baseline = trials[0] if trials and trials[0].error is None else None
+    baseline = trials[0] if trials and _complete(trials[0]) else None
     gain = rate(best) / rate(baseline) - 1 if best is not None and baseline is not None and rate(baseline) > 0 else None
     return SweepResult(
         current=current,
@@ -428,22 +512,53 @@ def sweep_loader(
     )
 
 
+def _complete(trial: SweepTrial) -> bool:
+    return trial.error is None and trial.batches_per_s is not None and trial.incomplete is None
+
+
+def _incomplete(result: LoaderResult, batches: int, warmup: int, budget_s: float) -> str | None:
+    """Why a trial's window is partial, or None when it holds all its batches."""
+    if result.batches >= batches:
+        return None
+    if result.ended_early:
+        return f"ran out of data after {warmup + result.batches} batches ({result.batches} of {batches} measured)"
+    return f"the {budget_s:g} s budget ended its window after {result.batches} of {batches} batches"
+
+
 def _beyond_cores(trials: list[SweepTrial], tried: list[LoaderSettings]) -> list[LoaderSettings]:
-    """More workers than cores, when the fastest trial so far has the most workers and they mostly wait (reads
-    from disk or network, not CPU): double the count, up to ``MAX_WORKERS``. On a machine busy with other work
-    CPU-bound workers also use little CPU; more of them then take a larger share of it, and each trial is measured,
-    so the sweep still picks by throughput."""
-    measured = [t for t in trials if t.error is None and t.batches_per_s and t.workers_cpu_pct is not None]
-    if not measured:
+    """More workers than the cap, when the most workers tried so far keep up with the fastest trial (within
+    ``KEEP_UP``) and mostly wait (reads from disk or network, not CPU): double the count, up to ``MAX_WORKERS``.
+    On a machine busy with other work CPU-bound workers also use little CPU; more of them then take a larger share
+    of it, and each trial is measured, so the sweep still picks by throughput."""
+    widest = _widest(trials)
+    if widest is None or 2 * widest.settings.num_workers > MAX_WORKERS:
         return []
-    best = max(measured, key=_rate)
-    most = max(t.settings.num_workers for t in measured)
-    workers = best.settings.num_workers
-    waiting = best.workers_cpu_pct < WAITING_WORKERS_CPU * 100 * workers  # type: ignore[operator]
-    if workers == 0 or workers < most or not waiting or 2 * workers > MAX_WORKERS:
-        return []
-    more = dataclasses.replace(best.settings, num_workers=2 * workers)
+    more = dataclasses.replace(widest.settings, num_workers=2 * widest.settings.num_workers)
     return [] if any(_same(more, seen) for seen in tried) else [more]
+
+
+def _widest(trials: list[SweepTrial]) -> SweepTrial | None:
+    """The fastest trial with the most workers, when its workers mostly wait and it keeps up with the fastest trial
+    of all: the one to double; None otherwise."""
+    measured = [t for t in trials if _complete(t) and t.workers_cpu_pct is not None]
+    most = max((t.settings.num_workers for t in measured), default=0)
+    if most == 0:
+        return None
+    widest = max((t for t in measured if t.settings.num_workers == most), key=_rate)
+    keeps_up = _rate(widest) >= KEEP_UP * max(_rate(t) for t in measured)
+    waiting = widest.workers_cpu_pct < WAITING_WORKERS_CPU * 100 * most  # type: ignore[operator]
+    return widest if keeps_up and waiting else None
+
+
+def _beyond_note(trials: list[SweepTrial], cap: int, basis: str) -> str:
+    widest = _widest(trials)
+    assert widest is not None  # only called once _beyond_cores found it
+    per_worker = (widest.workers_cpu_pct or 0.0) / widest.settings.num_workers
+    return (
+        f"more workers than the cap of {cap} ({basis}, one kept for training) were tried: at "
+        f"{widest.settings.num_workers} worker(s) each used {per_worker:.0f}% of a core, so they mostly wait "
+        "(storage, network, sleep) and more of them overlap the waits"
+    )
 
 
 def _rate(trial: SweepTrial) -> float:
@@ -544,13 +659,8 @@ def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: 
         out["cluster_sync_samples_per_s"] = len(rates) * min(rates)
     if "sweep" in first:
         sweep = first["sweep"]
-        out["sweep"] = [
-            {
-                k: t[k]
-                for k in ("settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error")
-            }
-            for t in sweep["trials"]
-        ]
+        keys = ("settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error")
+        out["sweep"] = [{**{k: t[k] for k in keys}, "incomplete": t.get("incomplete")} for t in sweep["trials"]]
         best = sweep["best"]
         if best is not None:
             out["best"] = {"settings": best["settings"], "samples_per_s": best["samples_per_s"], "gain": sweep["gain"]}

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analyses.loader import WAITING_WORKERS_CPU
+from stepscope.analyses.loader import WAITING_WORKERS_CPU, LoaderSettings, worker_cap
 from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import cores_of, ranks_per_machine, threads_for_workers
 from stepscope.doctor.lint import LintHit
@@ -197,10 +197,17 @@ def _loader_workers(case: Case) -> Finding | None:
     if cores and case.loader_workers() * local >= cores:
         return None  # another loader's workers already fill the cores: more workers would only time-share them
     hint = None
-    if cores:
-        workers = max(1, min(8, int(cores // local) - 1))
+    swept = (case.summary.dataloader.get("best") or {}).get("settings")
+    if swept is not None:  # the sweep measured the worker counts on this machine: its best is the advice
+        if swept["num_workers"] == 0:
+            return None  # no worker count was measured faster than none
+        best = case.summary.dataloader["best"]
+        gain = "" if best.get("gain") is None else f", {100 * best['gain']:+.0f}% over the current setting"
+        rate = f"{best['samples_per_s']:,.0f} samples/s{gain}"
+        hint = f"{LoaderSettings(**swept).snippet()} (the loader sweep's best: {rate})"
+    elif cores:
         hint = (
-            f"DataLoader(..., num_workers={workers}, persistent_workers=True) "
+            f"DataLoader(..., num_workers={worker_cap(cores, local)}, persistent_workers=True) "
             f"({cores:g} usable cores, {local} rank(s) on this machine)"
         )
     loader = loaders[0]
