@@ -2,25 +2,47 @@
 interval. Pure functions over data: no processes, no files (running the variants: instrument/ab.py; the table:
 report/ab.py).
 
-The unit of evidence is a run, not a step: steps within a run share the run's luck (placement, allocator state,
-clocks, a neighbour's load), so thousands of step times would claim a precision the runs do not have. Each run
-gives one figure, its mean measured sec/step, and a variant has a handful of them (``--repeats``, 5 by default).
+What the noise is. A run's mean sec/step wanders for two reasons: run-level luck that every step of the run shares
+(placement, allocator state, clocks, a neighbour's load), and step-level noise that averages out over the run's
+~100 steps (a slow fetch, a GC pause; often autocorrelated). Steps alone overstate precision when run-level luck
+dominates; the steps still tell how much of a run's figure is step noise, which 2-3 runs alone estimate poorly.
 
-Why a studentized bootstrap (bootstrap-t) of the log sec/step: with 5 runs a plain percentile bootstrap of the
-mean undercovers — its resampled means spread by sqrt((n-1)/n) of the true standard error and it has no notion of
-the extra uncertainty of an estimated variance (Student's t), so at 95% it excludes a true ratio of 1 in 11-15% of
-simulated experiments; BCa fixes skew, not that, and does no better. The bootstrap-t resamples the t statistic
-itself, (resampled difference - observed) / resampled standard error, so the heavier tails that come from
-estimating the noise from few runs are in its quantiles, while the skew of real run times is kept (unlike a plain
-Welch interval). Working on log sec/step makes the ratio a difference of means and treats a run 2% slower the
-same in both variants (run noise is multiplicative); the Welch standard error lets the variants be unequally
-noisy. Simulated with 5 runs per variant and noise like real runs (3% log-normal, and 15% of runs 3-8% slower;
-tests/test_ab.py), 2,400 experiments: 4.9% false positives at 95% (the nominal 5%), and a true 10% speedup found
-in 86% of experiments.
+The method. Each run gives the log of its mean sec/step (the run's throughput, stalls included) and, from its own
+measured steps, the variance of that figure: the steps cut into floor(sqrt(n)) contiguous blocks (batch means),
+so that autocorrelated steps count once per block, not once per step. The log speedup is the difference of the
+variants' mean log run figures, and its variance is estimated twice:
 
-With 2 runs of each variant, half of each variant's resamples repeat one run and have no spread, so more than 2.5%
-of the t statistics are infinite: the interval is unbounded and none is given, with the reason. 3 runs per variant
-are the least that bound it.
+- between runs: the spread of the run figures, pooled over both variants (run noise is multiplicative, so on a log
+  scale both variants share it), with runs - 2 degrees of freedom: a Student t interval, exact when run-level
+  luck dominates whatever the steps say;
+- within runs: the blocked step variances, with far more degrees of freedom: the floor no set of runs can beat.
+
+When the runs spread more than their steps explain, the between-run interval is used (run-level luck is there,
+and only the runs measure it). When they agree as well as their steps allow or better, the within-run variance is
+used (the runs agreeing by luck no longer make the interval too narrow), with a Student t quantile of
+min(df_between², df_within) degrees of freedom: the fewer the runs, the less a run-level effect hiding under the
+step noise can be ruled out. Under normal noise that choice keeps the worst false-positive rate over every mix of
+run- and step-level noise at 5.0-5.1% (nominal 5%); plain z there would reach 7.5% with 2 runs per variant.
+
+Why not a bootstrap: resampling 2-3 runs per variant cannot see their spread (one 3-run resample in 9 is a single
+run three times), so the studentized bootstrap this replaces gave intervals like 0.03-134 at 3 runs and none at 2,
+and a percentile bootstrap over runs then blocks undercovers (it spreads by sqrt((k-1)/k) of the run-level error
+and has no Student t correction). Why not pairs of interleaved runs: differences of A,B pairs leave 1-2 degrees of
+freedom with 2-3 runs (t quantiles 12.7, 4.3); interleaving already puts a drift on both variants alike.
+
+What the steps buy, and what they cannot: most of the power at 2-3 runs comes from pooling the runs' spread over
+both variants (2-4 degrees of freedom instead of a bootstrap's or Welch's 1-2). While run-level luck may be
+anywhere from none to most of the noise, no rule of this kind (the steps' variance when the runs agree within c
+times it, else the runs') that keeps 5% false positives over every mix was narrower on average than the runs' own
+t interval (c from 1 to 3, 2 and 3 runs per variant, normal noise). The steps give the floor and the degrees of
+freedom above, and with run noise absent they cost a little width (a 1.05x on 3 runs of 100 noisy steps: found
+in 59% of A/Bs, 60% from the runs alone).
+
+Simulated (tests/test_ab.py; 1,000 seeded A/Bs per case, 100 steps per run): false positives at 95% with 3 (and
+2) runs per variant: run-level noise dominating (3% log-normal runs, 15% of runs 3-8% slower, 2% steps) 4.6%
+(5.1%); step-level dominating (0.2% runs, 20% steps) 1.9% (0.7%); autocorrelated steps (AR 0.7, 20%) 3.1% (1.5%);
+run and step noise equal 4.4% (3.9%). A true 1.3x is found with 3 runs per variant in 100, 100, 99.7 and 100% of
+those A/Bs (with 2 runs: 93, 100, 80 and 94%).
 """
 
 from __future__ import annotations
@@ -36,9 +58,10 @@ import numpy as np
 from stepscope.summary import RunSummary
 
 CONFIDENCE = 0.95
-RESAMPLES = 10_000
-SEED = 0  # the bootstrap is seeded: the same runs give the same interval
-METHOD = "studentized bootstrap (bootstrap-t) of mean log sec/step, Welch standard error, resampled per variant"
+METHOD = (
+    "t interval on mean log sec/step over runs; variance: the runs' spread pooled over variants (t, runs - 2 df), "
+    "or, when the runs agree as well as their own steps allow, the steps' variance in blocks (batch means)"
+)
 
 FASTER, SLOWER, NO_DIFFERENCE, UNKNOWN = "faster", "slower", "no detectable difference", "unknown"
 BATCH_TOLERANCE = 0.01  # batches closer than 1% are the same batch (a ragged last batch moves the mean a little)
@@ -69,6 +92,9 @@ class RunFigures:
     world_size: int
     backend: str  # "single process", "DDP", "FSDP ZeRO-3", "FSDP ZeRO-2", "torch.distributed" (no known wrapper)
     failure: str | None = None  # why the run is left out of the comparison; None when it is usable
+    # Measured step times, s, from the series of the rank that sets sec/step: each the mean of step_stride steps.
+    step_s: list[float] = field(default_factory=list)
+    step_stride: int = 1
 
     @property
     def usable(self) -> bool:
@@ -110,6 +136,7 @@ class Comparison:
     runs: tuple[int, int] = (0, 0)  # usable runs of (baseline, candidate)
     samples_per_s_ratio: float | None = None  # candidate / baseline median samples/s
     peak_mem_ratio: float | None = None  # candidate / baseline peak memory
+    variance: str | None = None  # what the interval's width rests on: "between runs" or "within runs (steps)"
 
 
 @dataclass
@@ -120,8 +147,6 @@ class Settings:
     steps: int  # measured steps per run
     warmup: int  # steps skipped before measuring, per run
     confidence: float = CONFIDENCE
-    resamples: int = RESAMPLES
-    seed: int = SEED
     method: str = METHOD
 
 
@@ -160,6 +185,7 @@ def run_figures(summary: RunSummary, exit_code: int, order: int) -> RunFigures:
     per_rank = None if batch is None else round(batch, 3)
     peak, source = _peak_memory(ranks)
     measured = summary.steps.measured
+    step_s, stride = measured_step_times(ranks)
     return RunFigures(
         order=order,
         exit_code=exit_code,
@@ -174,7 +200,26 @@ def run_figures(summary: RunSummary, exit_code: int, order: int) -> RunFigures:
         world_size=world,
         backend=backend(summary, world),
         failure=_failure(summary, exit_code),
+        step_s=step_s,
+        step_stride=stride,
     )
+
+
+def measured_step_times(ranks: list[RunSummary]) -> tuple[list[float], int]:
+    """The measured points of one rank's step series, s, and how many steps each averages: the points wholly after
+    the warm-up and within the steps the run timed. With several ranks, the series of the slowest rank (the highest
+    mean step time): the rank whose mean is the run's sec/step, so the spread belongs to the figure it qualifies
+    (a per-step maximum over ranks would add the noise of a maximum and need the ranks' series aligned).
+    ([], 1) without a series (a summary from before schema 3)."""
+    timed = [r for r in ranks if r.series is not None and r.throughput.step_time_ms is not None]
+    if not timed:
+        return [], 1
+    rank = max(timed, key=lambda r: r.throughput.step_time_ms)
+    series, steps = rank.series, rank.steps
+    end = steps.warmup + steps.measured + steps.profiled
+    points = series.step_ms[: end // series.stride]  # a last point cut short by the run's end is left out
+    first = -(-steps.warmup // series.stride)  # the first point that starts at or after the warm-up
+    return [ms / 1000 for ms in points[first:]], series.stride
 
 
 def _failure(summary: RunSummary, exit_code: int) -> str | None:
@@ -292,69 +337,126 @@ class Interval:
     speedup: float | None  # baseline / candidate sec/step, ratio of geometric means
     ci: tuple[float, float] | None
     reason: str | None  # why there is no interval
+    variance: str | None = None  # the variance the interval rests on: "between runs" or "within runs (steps)"
+
+
+def within_run_variance(step_s: Sequence[float]) -> tuple[float, int] | None:
+    """Variance of the log of a run's mean step time (unitless: relative variance) estimated from its own steps, and
+    its degrees of freedom: the steps cut into floor(sqrt(n)) contiguous blocks of floor(sqrt(n)) steps, the
+    variance of the block means over the blocks (batch means; steps left over at the end are left out of the
+    variance, not of the mean). Blocks make autocorrelated steps count once per block. None below 2 blocks."""
+    steps = np.asarray(step_s, float)
+    length = math.isqrt(steps.size)
+    blocks = steps.size // length if length else 0
+    if blocks < 2:
+        return None
+    means = steps[: blocks * length].reshape(blocks, length).mean(axis=1)
+    return float(means.var(ddof=1) / blocks / steps.mean() ** 2), blocks - 1
 
 
 def speedup_interval(
     baseline_s: Sequence[float],
     candidate_s: Sequence[float],
+    baseline_steps: Sequence[Sequence[float]] = (),
+    candidate_steps: Sequence[Sequence[float]] = (),
     confidence: float = CONFIDENCE,
-    resamples: int = RESAMPLES,
-    seed: int = SEED,
 ) -> Interval:
-    """Speedup (baseline sec/step over candidate sec/step, > 1: the candidate is faster) with a studentized
-    bootstrap interval over the runs' sec/step (see the module's docstring for why this method)."""
+    """Speedup (baseline sec/step over candidate sec/step, > 1: the candidate is faster) with its interval, from each
+    run's mean sec/step and, when every run has them, each run's measured step times in s (see the module's
+    docstring for the method and why)."""
     base, cand = np.log(np.asarray(baseline_s, float)), np.log(np.asarray(candidate_s, float))
     if not (base.size and cand.size):
         return Interval(None, None, "a variant has no usable run")
-    theta = float(base.mean() - cand.mean())  # log of the speedup
-    speedup = math.exp(theta)
-    if min(len(base), len(cand)) < 2:
+    log_speedup = float(base.mean() - cand.mean())
+    speedup = math.exp(log_speedup)
+    if min(base.size, cand.size) < 2:
         return Interval(
             speedup,
             None,
-            f"an interval needs at least 2 usable runs of each variant (got {len(base)} and {len(cand)}): "
+            f"an interval needs at least 2 usable runs of each variant (got {base.size} and {cand.size}): "
             "one run says nothing about the run-to-run spread",
         )
-    if np.ptp(base) == 0 and np.ptp(cand) == 0:
-        return Interval(speedup, (speedup, speedup), None)  # no spread at all: every resample gives this ratio
-    se = _welch_se(base[None, :], cand[None, :])[0]
-    rng = np.random.default_rng(seed)
-    base_r = base[rng.integers(0, len(base), (resamples, len(base)))]
-    cand_r = cand[rng.integers(0, len(cand), (resamples, len(cand)))]
-    shift = base_r.mean(axis=1) - cand_r.mean(axis=1) - theta
-    flat = (np.ptp(base_r, axis=1) == 0) & (np.ptp(cand_r, axis=1) == 0)
-    # A resample without spread has no standard error: its t is infinite (0 when it also has no shift).
-    t = np.where(shift == 0, 0.0, np.copysign(np.inf, shift))
-    np.divide(shift, _welch_se(base_r, cand_r), out=t, where=~flat)
-    t.sort()
-    alpha = 1 - confidence
-    t_low, t_high = t[math.floor(alpha / 2 * resamples)], t[math.ceil((1 - alpha / 2) * resamples) - 1]
-    low, high = theta - t_high * se, theta - t_low * se
-    if not (math.isfinite(low) and math.isfinite(high)) or max(abs(low), abs(high)) > 700:
-        return Interval(
-            speedup,
-            None,
-            f"too few runs to bound the interval ({len(base)} and {len(cand)}): too many bootstrap resamples "
-            "repeat a single run and have no spread; 3 or more runs per variant bound it",
-        )
-    return Interval(speedup, (math.exp(low), math.exp(high)), None)
+    df_between = base.size + cand.size - 2
+    pooled = (((base - base.mean()) ** 2).sum() + ((cand - cand.mean()) ** 2).sum()) / df_between
+    variance, df, source = float(pooled * (1 / base.size + 1 / cand.size)), df_between, "between runs"
+    within = _within_variance(baseline_steps, base.size, candidate_steps, cand.size)
+    if within is not None and within[0] >= variance:
+        variance, df, source = within[0], min(df_between**2, within[1]), "within runs (steps)"
+    if variance == 0:
+        return Interval(speedup, (speedup, speedup), None, source)  # no spread at all, between runs or within
+    half = t_quantile(confidence, df) * math.sqrt(variance)
+    return Interval(speedup, (math.exp(log_speedup - half), math.exp(log_speedup + half)), None, source)
 
 
-def _welch_se(base: np.ndarray, cand: np.ndarray) -> np.ndarray:
-    """Standard error of the difference of means, row by row, each variant with its own variance."""
-    return np.sqrt(base.var(axis=1, ddof=1) / base.shape[1] + cand.var(axis=1, ddof=1) / cand.shape[1])
+def _within_variance(
+    baseline_steps: Sequence[Sequence[float]],
+    base_runs: int,
+    candidate_steps: Sequence[Sequence[float]],
+    cand_runs: int,
+) -> tuple[float, int] | None:
+    """Variance of the difference of the variants' mean log run figures from the runs' own steps, and its
+    Welch-Satterthwaite degrees of freedom (floored); None unless every run of both variants has one."""
+    parts = []
+    for runs, count in ((baseline_steps, base_runs), (candidate_steps, cand_runs)):
+        if len(runs) != count:
+            return None
+        for step_s in runs:
+            run = within_run_variance(step_s)
+            if run is None:
+                return None
+            parts.append((run[0] / count**2, run[1]))
+    total = sum(v for v, _ in parts)
+    spread = sum(v * v / df for v, df in parts)
+    return total, (math.floor(total * total / spread) if spread else _DF_NORMAL)
 
 
-def compare(
-    baseline: VariantResult,
-    candidate: VariantResult,
-    confidence: float = CONFIDENCE,
-    resamples: int = RESAMPLES,
-    seed: int = SEED,
-) -> Comparison:
+_DF_NORMAL = 1000  # degrees of freedom beyond which Student's t is the normal distribution (quantiles within 0.1%)
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    """The two-sided Student t quantile q with P(|T| < q) = ``confidence`` for ``df`` degrees of freedom (at least 1;
+    the normal's beyond 1000), by bisection on the exact CDF for whole degrees of freedom."""
+    if df >= _DF_NORMAL:
+        return statistics.NormalDist().inv_cdf((1 + confidence) / 2)
+    low, high = 0.0, 1.0
+    while _t_within(high, df) < confidence:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if _t_within(mid, df) < confidence else (low, mid)
+        if high - low < 1e-12 * high:
+            break
+    return (low + high) / 2
+
+
+def _t_within(q: float, df: int) -> float:
+    """P(|T| < q) for Student's t with ``df`` whole degrees of freedom (Abramowitz & Stegun 26.7.3)."""
+    theta = math.atan(q / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    if df % 2:  # odd: (2/pi)(theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...))
+        term = total = 1.0
+        for k in range(1, (df - 1) // 2):
+            term *= 2 * k / (2 * k + 1) * cos2
+            total += term
+        tail = math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0
+        return 2 / math.pi * (theta + tail)
+    term = total = 1.0  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+    for k in range(1, df // 2):
+        term *= (2 * k - 1) / (2 * k) * cos2
+        total += term
+    return math.sin(theta) * total
+
+
+def compare(baseline: VariantResult, candidate: VariantResult, confidence: float = CONFIDENCE) -> Comparison:
     """The candidate against the baseline: speedup, its interval, and the verdict in words."""
-    times = [[r.sec_per_step for r in v.runs if r.usable and r.sec_per_step is not None] for v in (baseline, candidate)]
-    interval = speedup_interval(times[0], times[1], confidence, resamples, seed)
+    usable = [[r for r in v.runs if r.usable and r.sec_per_step is not None] for v in (baseline, candidate)]
+    interval = speedup_interval(
+        [r.sec_per_step for r in usable[0]],
+        [r.sec_per_step for r in usable[1]],
+        [r.step_s for r in usable[0]],
+        [r.step_s for r in usable[1]],
+        confidence,
+    )
     verdict, faster = UNKNOWN, None
     if interval.ci is not None:
         low, high = interval.ci
@@ -373,9 +475,10 @@ def compare(
         verdict=verdict,
         reason=interval.reason,
         confidence=confidence,
-        runs=(len(times[0]), len(times[1])),
+        runs=(len(usable[0]), len(usable[1])),
         samples_per_s_ratio=_ratio(candidate.samples_per_s, baseline.samples_per_s),
         peak_mem_ratio=_ratio(candidate.peak_mem_mb, baseline.peak_mem_mb),
+        variance=interval.variance,
     )
 
 
@@ -386,7 +489,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 def ab_result(settings: Settings, variants: list[VariantResult], stopped: str | None = None) -> ABResult:
     """Every candidate against the first variant, and the batch warnings."""
     s = settings
-    comparisons = [compare(variants[0], v, s.confidence, s.resamples, s.seed) for v in variants[1:]]
+    comparisons = [compare(variants[0], v, s.confidence) for v in variants[1:]]
     return ABResult(settings, variants, comparisons, batch_warnings(variants), stopped)
 
 

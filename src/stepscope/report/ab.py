@@ -66,7 +66,8 @@ def variant_table(result: ABResult, ascii_only: bool = False) -> Table:
 
 
 def comparison_line(comparison: Comparison) -> str:
-    """``new vs base: 1.120x (95% CI 1.080–1.160): new is faster · samples/s ×1.12 · peak mem ×0.98``."""
+    """``new vs base: 1.120x (95% CI 1.080–1.160, width from between runs): new is faster · samples/s ×1.12 ·
+    peak mem ×0.98``."""
     c = comparison
     head = f"{c.candidate} vs {c.baseline}:"
     if c.speedup is None:
@@ -84,7 +85,9 @@ def comparison_line(comparison: Comparison) -> str:
         for label, value in (("samples/s", c.samples_per_s_ratio), ("peak mem", c.peak_mem_ratio))
         if value is not None
     ]
-    interval = f"{100 * c.confidence:.0f}% CI {low:.3f}–{high:.3f}"
+    interval = f"{100 * c.confidence:.0f}% CI {low:.3f}–{high:.3f}" + (
+        f", width from {c.variance}" if c.variance else ""
+    )
     return f"{head} {c.speedup:.3f}x ({interval}): {words}{''.join(ratios)}"
 
 
@@ -116,7 +119,7 @@ def print_ab(result: ABResult, file: IO[str] | None = None) -> None:
     )
     console.print(variant_table(result, ascii_only=_plain(console)))
     if result.comparisons:
-        say(f"speedup = {result.variants[0].name}'s sec/step ÷ the variant's (> 1: faster)")
+        say(f"speedup = {result.variants[0].name}'s sec/step ÷ the variant's (> 1: faster); interval: {s.method}")
     for comparison in result.comparisons:
         say(comparison_line(comparison))
     for warning in result.warnings:
