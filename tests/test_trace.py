@@ -817,6 +817,7 @@ def test_parallel_reading_gives_the_same_analysis(tmp_path, monkeypatch):
     for result in (serial, parallel):
         for status in result["files"]:
             status.pop("read_s")
+    assert (serial.pop("read")["processes"], parallel.pop("read")["processes"]) == (1, 2)
     assert parallel == serial
 
 

@@ -103,11 +103,11 @@ def test_a_rank_late_from_its_data_loader_in_a_real_gloo_job(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def gloo_steps(rank: int, loader_us: float, late_end: dict[int, float]) -> Kineto:
-    """5 ProfilerSteps of 2 ms on CPU (the last dropped): loading, 300 µs of ATen ops, then a gloo all-reduce that
-    ends at 900 µs on every rank, except in the steps of ``late_end`` (step -> µs it ends later on this rank)."""
+def gloo_steps(rank: int, loader_us: float, late_end: dict[int, float], steps: int = 5) -> Kineto:
+    """``steps`` ProfilerSteps of 2 ms on CPU (the last dropped): loading, 300 µs of ATen ops, then a gloo all-reduce
+    that ends at 900 µs on every rank, except in the steps of ``late_end`` (step -> µs it ends later on this rank)."""
     trace = Kineto(rank=rank, device=None)
-    for n in range(5):
+    for n in range(steps):
         t0 = 2000 * n
         trace.step(n + 1, t0, 2000)
         trace.host(LOADER, t0, loader_us, cat="user_annotation")
@@ -129,6 +129,39 @@ def test_a_collective_left_out_does_not_dilute_the_per_step_figures(tmp_path):
     assert late["waited_ms"] == pytest.approx(0.35)
     assert late["wait_share_pct"] == pytest.approx(100 * 350 / 500)
     assert late["wait_pct"] == pytest.approx(100 * 350 / 2000), "of rank 0's 2 ms steps"
+
+
+def test_ends_apart_on_most_collectives_from_busy_hosts_still_find_the_late_rank(tmp_path):
+    """As beside busy loops: of 7 all-reduces, rank 1 is descheduled at the end of 3 (0.2, 0.6 and 1 ms late) and
+    rank 0 at 1 (1.05 ms; each before its next step). Every one still ends after both ranks started it; the ends are
+    apart by 0.2 ms (median) here, so only those 1 ms apart are left out, and the 5 others compared (a fixed
+    tolerance, 100 µs + 10% of the duration, would leave out 4 of 7 and give up)."""
+    job = tmp_path / "job"
+    gloo_steps(0, 100, {3: 1050}, steps=8).write(job / "rank0.json")
+    gloo_steps(1, 450, {1: 1000, 2: 200, 4: 600}, steps=8).write(job / "rank1.json")
+    analysis = analyze_trace(job, jobs=1)
+    (late,) = analysis.late_ranks
+    assert (late["rank"], late["cause"], late["collectives"], late["last_at"]) == (1, "data", 5, 5), analysis.warnings
+    assert (late["cause_ms"], late["others_cause_ms"], late["waited_ms"]) == (
+        pytest.approx(0.45), pytest.approx(0.1), pytest.approx(0.35),
+    )  # fmt: skip
+    assert late["clock_offset_ms"]["1"] == pytest.approx(0.0), "the median end difference: one host, one clock"
+
+
+def test_collectives_that_end_before_another_rank_starts_them_are_no_evidence(tmp_path):
+    """Rank 1 traced other iterations: its all-reduces fall at other times of the step, so after the best clock
+    alignment each ends before rank 0 starts it (or starts after rank 0's ended): no late rank, and a warning."""
+    job = tmp_path / "job"
+    gloo_steps(0, 100, {}).write(job / "rank0.json")
+    other = Kineto(rank=1, device=None)
+    for n, arrive in enumerate([100, 1800, 200, 1700, 150]):
+        other.step(n + 1, 2000 * n, 2000)
+        other.host("gloo:all_reduce", 2000 * n + arrive, 100, tid=7, cat="user_annotation")
+    other.write(job / "rank1.json")
+    analysis = analyze_trace(job, jobs=1)
+    assert analysis.late_ranks == []
+    (warning,) = analysis.warnings
+    assert "4 end on a rank before another rank starts them): no late-rank analysis" in warning, warning
 
 
 # ---------------------------------------------------------------------------------------------------------------------

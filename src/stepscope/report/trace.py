@@ -75,7 +75,8 @@ def ops_table(rank: RankTrace, ascii_only: bool = False) -> Table:
 
 
 def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | None = None) -> None:
-    """Print the analysis: rank table, the first ranks' top kernels, CPU-only shares, stragglers, verdict, errors."""
+    """Print the analysis: what was read and how fast, rank table, the first ranks' top kernels, CPU-only shares,
+    stragglers, verdict, errors."""
     console: Console = _console(file)
     plain = _plain(console)
     for status in analysis.files:
@@ -83,6 +84,12 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
             console.print(f"skipped {_text(status.path)}: {_text(status.reason)}")
     for warning in analysis.warnings:
         console.print(f"warning: {_text(warning)}")
+    if read := analysis.read:
+        console.print(
+            f"read {read['files']:,} file(s), {read['ranks']:,} rank(s) analysed: {read['events']:,} events, "
+            f"{read['mb']:,.1f} MB of JSON in {read['seconds']:.2f} s ({read['mb_per_s']:,.0f} MB/s, "
+            f"{read['processes']} process(es))"
+        )
     if not analysis.ranks:
         console.print("nothing could be analysed")
         return

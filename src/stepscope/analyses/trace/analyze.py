@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,7 @@ class TraceAnalysis:
     spread: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # job -> figure -> min/max/...
     late_ranks: list[dict[str, Any]] = field(default_factory=list)  # see collectives.late_ranks, with "job"
     warnings: list[str] = field(default_factory=list)
+    read: dict[str, float] = field(default_factory=dict)  # files, ranks, events, mb, seconds, mb_per_s, processes
     definitions: dict[str, str] = field(default_factory=lambda: dict(DEFINITIONS))
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,22 +172,49 @@ class TraceAnalysis:
         return asdict(self)
 
 
-def _read(path: Path) -> tuple[TraceEvents | None, TraceFileStatus]:
-    start = time.perf_counter()
+@dataclass
+class RankReduction:
+    """What one trace file is reduced to before the next is read: its figures, its collectives as arrays and its
+    ProfilerStep names; the events themselves are freed. ``rank`` is None when the file could not be read or its
+    rank was not asked for."""
+
+    status: TraceFileStatus
+    rank: RankTrace | None = None
+    collectives: RankCollectives | None = None
+    step_names: frozenset[str] = frozenset()
+    window_step_names: int = 0  # the ProfilerStep names the window was cut for (see `bd.window`)
+
+
+def reduce_file(
+    path: Path, wanted: frozenset[int] | None, top: int, job_step_names: int | None = None
+) -> RankReduction:
+    """Read one trace and analyse it as its rank (`analyze_rank`), keeping only the result; ``job_step_names``: the
+    job's distinct ProfilerStep names when known, else the rank's own (`analyze_trace` re-reduces the rare rank for
+    which that changes the window). Unreadable files come back with the reason."""
+    begin = time.perf_counter()
     try:
         trace = read_trace(path)
     except (TraceReadError, OSError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        return None, TraceFileStatus(str(path), False, reason, read_s=time.perf_counter() - start)
+        return RankReduction(TraceFileStatus(str(path), False, reason, read_s=time.perf_counter() - begin))
     status = TraceFileStatus(
         str(path), True, rank=trace.rank, events=trace.events, mb=trace.bytes_read / 1e6,
-        read_s=time.perf_counter() - start,
+        read_s=time.perf_counter() - begin,
     )  # fmt: skip
-    return trace, status
+    if wanted is not None and trace.rank not in wanted:
+        return RankReduction(status)
+    names = frozenset(bd.profiler_steps(trace)[2])
+    window_names = len(names) if job_step_names is None else job_step_names
+    rank, collectives = analyze_rank(trace, window_names, top)
+    return RankReduction(status, rank, collectives, names, window_names)
 
 
-def _read_all(paths: list[Path], jobs: int) -> list[tuple[TraceEvents | None, TraceFileStatus]]:
-    """Read every file; in worker processes (``jobs``, 0: one per usable core) when there is enough to read."""
+def _reduce_all(
+    paths: list[Path], wanted: frozenset[int] | None, top: int, jobs: int
+) -> tuple[list[RankReduction], int]:
+    """Reduce every file, in order; in worker processes (``jobs``, 0: one per usable core) when there is enough to
+    read. Each process holds one trace at a time, so memory follows the largest trace, not the folder. Also returns
+    the processes used."""
     # worker processes cost ~0.1 s to start: worth it only when there is more to read than that
     if jobs != 1 and len(paths) > 1 and sum(_size(p) for p in paths) >= PARALLEL_MIN_BYTES:
         from concurrent.futures import ProcessPoolExecutor
@@ -195,8 +224,8 @@ def _read_all(paths: list[Path], jobs: int) -> list[tuple[TraceEvents | None, Tr
         workers = min(jobs or usable_cores(), len(paths))
         if workers > 1:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                return list(pool.map(_read, paths))
-    return [_read(p) for p in paths]
+                return list(pool.map(reduce_file, paths, repeat(wanted), repeat(top))), workers
+    return [reduce_file(p, wanted, top) for p in paths], 1
 
 
 def _size(path: Path) -> int:
@@ -540,27 +569,30 @@ def analyze_trace(
     ``ranks`` keeps only those ranks; ``top`` kernels are listed per rank; ``jobs`` processes read files in
     parallel (0: one per usable core). Unreadable files are listed with their reason in ``files``.
     """
+    begin = time.perf_counter()
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
     files = trace_files(items)
-    read = _read_all(files, jobs)
-    statuses = [status for _, status in read]
-    traces = [t for t, _ in read if t is not None]
+    wanted = frozenset(ranks) if ranks is not None else None
+    reduced, processes = _reduce_all(files, wanted, top, jobs)
+    statuses = [r.status for r in reduced]
     warnings: list[str] = []
     if not files:
         warnings.append("no .json or .json.gz files found in " + ", ".join(map(str, items)))
-    wanted = set(ranks) if ranks is not None else None
-    if wanted is not None:
-        traces = [t for t in traces if t.rank in wanted]
     results: list[RankTrace] = []
     stragglers: list[dict[str, Any]] = []
     late: list[dict[str, Any]] = []
     spread: dict[str, dict[str, dict[str, float]]] = {}
-    for job, members in _jobs(traces).items():
-        step_names: set[str] = set()
-        for trace in members:
-            step_names |= bd.profiler_steps(trace)[2]
-        pairs = sorted((analyze_rank(t, len(step_names), top) for t in members), key=lambda pair: pair[0].rank)
-        analysed = [rank for rank, _ in pairs]
+    for job, members in _jobs([r for r in reduced if r.rank is not None]).items():
+        step_names = len(frozenset().union(*(m.step_names for m in members)))
+        # HTA's window depends on the whole job's ProfilerStep names only through "fewer than two": a rank with fewer
+        # of its own, in a job with more, is analysed again with the job's count
+        members = [
+            reduce_file(Path(m.status.path), wanted, top, step_names)
+            if m.window_step_names < 2 <= step_names else m
+            for m in members
+        ]  # fmt: skip
+        members.sort(key=lambda m: m.rank.rank)
+        analysed = [m.rank for m in members]
         results += analysed
         seen = Counter(r.rank for r in analysed)
         if duplicated := sorted(r for r, n in seen.items() if n > 1):
@@ -570,8 +602,8 @@ def analyze_trace(
             )
             continue
         stragglers += [{"job": job, **s} for s in _stragglers(analysed)]
-        if all(c is not None for _, c in pairs):
-            found, note = late_ranks([c for _, c in pairs])
+        if all(m.collectives is not None for m in members):
+            found, note = late_ranks([m.collectives for m in members])
             late += [{"job": job, **entry} for entry in found]
             if note:
                 warnings.append(f"{job}: {note}")
@@ -579,13 +611,25 @@ def analyze_trace(
             spread[job] = job_spread
     return TraceAnalysis(
         ranks=results, files=statuses, verdict=job_verdict(results, late), stragglers=stragglers, spread=spread,
-        late_ranks=late, warnings=warnings,
+        late_ranks=late, warnings=warnings, read=_throughput(statuses, results, time.perf_counter() - begin, processes),
     )  # fmt: skip
 
 
-def _jobs(traces: list[TraceEvents]) -> dict[str, list[TraceEvents]]:
-    """Traces grouped by folder: the files of one folder are the ranks of one job."""
-    jobs: dict[str, list[TraceEvents]] = {}
-    for trace in traces:
-        jobs.setdefault(str(trace.path.parent), []).append(trace)
+def _throughput(statuses: list[TraceFileStatus], ranks: list[RankTrace], seconds: float, processes: int) -> dict:
+    """How much was read and how fast: files read, ranks analysed, events, decompressed MB, wall seconds, MB/s."""
+    read = [s for s in statuses if s.ok]
+    mb = sum(s.mb for s in read)
+    events = sum(s.events for s in read)
+    return {
+        "files": len(read), "ranks": len(ranks), "events": events, "mb": mb, "seconds": seconds,
+        "mb_per_s": mb / seconds if seconds > 0 else 0.0, "events_per_s": events / seconds if seconds > 0 else 0.0,
+        "processes": processes,
+    }  # fmt: skip
+
+
+def _jobs(reduced: list[RankReduction]) -> dict[str, list[RankReduction]]:
+    """Reduced ranks grouped by folder: the files of one folder are the ranks of one job."""
+    jobs: dict[str, list[RankReduction]] = {}
+    for member in reduced:
+        jobs.setdefault(member.rank.job, []).append(member)
     return jobs

@@ -7,6 +7,12 @@ and order of issue (every rank issues the same collectives in the same order), c
 ends (the median difference per rank, so hosts whose clocks differ still compare), and at each collective the rank
 that starts last is the late one: the others' time from their own start to its start is waiting.
 
+Busy hosts deschedule a rank at a collective's end, so its end can come milliseconds after the others'. Such a
+collective is still the same collective (it cannot end on any rank before every rank has started it), so the test of
+a match is that causality, and a collective is left out only when its ends are apart by more than the job's own
+noise (several times the median spread of the ends) and a fixed slack. Matches are refused as a whole only when most
+collectives break causality (ranks traced over different steps, say).
+
 What the late rank was doing: for each rank, the time from the end of its previous collective (else the start of
 its step) to the start of this one is split into data loading (DataLoader spans), compute (computation kernels; on
 CPU-only traces ATen ops) and host (the rest: Python, launches, waits). The part where the late rank exceeds the
@@ -28,6 +34,7 @@ from stepscope.analyses.trace.events import TraceEvents
 GLOO_COLLECTIVE = re.compile(r"^gloo:")
 ATEN_OP = re.compile(r"^aten::")
 END_SLACK_US = 100.0  # a collective's ends on the ranks, clocks aligned, agree within this plus 10% of its duration
+END_NOISE_FACTOR = 4.0  # ... or within this many times the median spread of the ends (hosts descheduled at ends)
 LATE_WAIT_SHARE_PCT = 50.0  # the others spend at least this share of their communication waiting for the rank
 CAUSES = {"data": "data loading", "compute": "compute", "host": "host work (Python, launches, waits)"}
 
@@ -35,10 +42,13 @@ CAUSES = {"data": "data loading", "compute": "compute", "host": "host work (Pyth
 @dataclass
 class RankCollectives:
     """One rank's collectives in order of start: name, absolute start and end (µs), and the parts of the time before
-    each (µs since the end of the previous collective, else the step's start) spent on data, compute and host."""
+    each (µs since the end of the previous collective, else the step's start) spent on data, compute and host.
+
+    Arrays only (about 50 bytes a collective): what the cross-rank step keeps of a rank once its trace is freed."""
 
     rank: int
-    names: list[str]
+    name: np.ndarray  # int32 per collective: its index in ``name_table``
+    name_table: list[str]  # the distinct names of the rank's collectives
     start: np.ndarray
     end: np.ndarray
     before: dict[str, np.ndarray]  # "data", "compute", "host" -> µs per collective
@@ -111,36 +121,81 @@ def rank_collectives(
     seg = ts - lo
     data_us, compute_us = _within(data, lo, ts), _within(compute, lo, ts)
     before = {"data": data_us, "compute": compute_us, "host": seg - _within(either, lo, ts)}
-    names = [trace.names[i] for i in name.tolist()]
+    used, local = np.unique(name, return_inverse=True)
+    table = [trace.names[i] for i in used.tolist()]
     origin = trace.origin_us
-    return RankCollectives(trace.rank, names, ts + origin, end + origin, before, basis_us, len(win.steps), kind)
+    return RankCollectives(
+        trace.rank, local.astype(np.int32), table, ts + origin, end + origin, before, basis_us, len(win.steps), kind
+    )
+
+
+def _keys(ranks: list[RankCollectives]) -> list[np.ndarray]:
+    """Per rank, a key per collective that is equal across ranks for the same name and occurrence of that name:
+    (job-wide name id) << 32 | (how many of that name the rank issued before it)."""
+    ids: dict[str, int] = {}
+    keys = []
+    for r in ranks:
+        own = np.array([ids.setdefault(n, len(ids)) for n in r.name_table], dtype=np.int64)[r.name]
+        order = np.argsort(own, kind="stable")
+        grouped = own[order]
+        occurrence = np.empty(len(own), dtype=np.int64)
+        occurrence[order] = np.arange(len(own)) - np.searchsorted(grouped, grouped, side="left")
+        keys.append(own << 32 | occurrence)
+    return keys
 
 
 def _matched(ranks: list[RankCollectives]) -> tuple[list[str], np.ndarray] | None:
-    """For each collective every rank issued (same name, same occurrence), its index in each rank's lists:
+    """For each collective every rank issued (same name, same occurrence), its index in each rank's arrays:
     rows are ranks, columns collectives in the first rank's order. None when nothing matches."""
-    keys = []
-    for r in ranks:
-        seen: dict[str, int] = {}
-        own = {}
-        for i, name in enumerate(r.names):
-            n = seen.get(name, 0)
-            seen[name] = n + 1
-            own[(name, n)] = i
-        keys.append(own)
-    common = [k for k in keys[0] if all(k in other for other in keys[1:])]
-    if not common:
+    keys = _keys(ranks)
+    common = keys[0]
+    for other in keys[1:]:
+        common = common[np.isin(common, other)]
+    if len(common) == 0:
         return None
-    common.sort(key=lambda k: keys[0][k])
-    return [k[0] for k in common], np.array([[own[k] for k in common] for own in keys])
+    index = np.empty((len(ranks), len(common)), dtype=np.int64)
+    for row, own in enumerate(keys):
+        order = np.argsort(own, kind="stable")  # keys are unique within a rank
+        index[row] = order[np.searchsorted(own, common, sorter=order)]
+    first = ranks[0]
+    return [first.name_table[i] for i in first.name[index[0]].tolist()], index
+
+
+def clock_offsets(end: np.ndarray) -> np.ndarray:
+    """Each rank's clock against the first rank's (µs), from matched collectives' ends (rows ranks, columns
+    collectives): the median over collectives of its end minus the ranks' median end, so one noisy rank (the first
+    included) does not shift the others."""
+    own = np.median(end - np.median(end, axis=0), axis=1)
+    return own - own[0]
+
+
+def _consistent(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, str | None]:
+    """Which matched collectives (clocks aligned, rows ranks) are evidence, or a note when they cannot be compared.
+
+    A collective cannot end on a rank before every rank has started it: where the last start comes after the first
+    end (beyond the slack), the match is wrong, and when that is most of them the ranks are not comparable. Of the
+    others, those whose ends are apart by more than the slack and `END_NOISE_FACTOR` times the median spread of the
+    ends are left out: a host descheduled at a collective's end gives a few; noise that is everywhere is the job's."""
+    duration = np.median(end - start, axis=0)
+    slack = END_SLACK_US + 0.1 * duration
+    causal = start.max(axis=0) <= end.min(axis=0) + slack
+    apart = end.max(axis=0) - end.min(axis=0)
+    if causal.sum() * 2 < len(causal):
+        return causal, (
+            f"the {len(causal)} collectives matched across ranks (by name and order) do not end together even with "
+            f"the clocks aligned (up to {float(apart.max()) / 1000:.1f} ms apart; {int((~causal).sum())} end on a "
+            "rank before another rank starts them): no late-rank analysis"
+        )
+    noise = END_NOISE_FACTOR * float(np.median(apart[causal]))
+    return causal & (apart <= np.maximum(slack, noise)), None
 
 
 def late_ranks(ranks: list[RankCollectives]) -> tuple[list[dict[str, Any]], str | None]:
     """The rank the others wait for at their collectives, when they wait for it at least half of their
     communication time: how late it is, what the others lose, and what it did instead (see the module's doc).
 
-    Also a note when the collectives cannot be compared: a collective ends on every rank at about the same time, so
-    matched collectives whose ends disagree (ranks traced over different steps, say) are no evidence."""
+    Also a note when the collectives cannot be compared: a collective cannot end on a rank before every rank has
+    started it, so when most matched collectives do (ranks traced over different steps, say) they are no evidence."""
     if len(ranks) < 2:
         return [], None
     matched = _matched(ranks)
@@ -149,16 +204,12 @@ def late_ranks(ranks: list[RankCollectives]) -> tuple[list[dict[str, Any]], str 
     names, index = matched
     start = np.stack([r.start[i] for r, i in zip(ranks, index, strict=True)])
     end = np.stack([r.end[i] for r, i in zip(ranks, index, strict=True)])
-    offset = np.median(end - end[0], axis=1)  # clock of each rank against the first, from the collectives' ends
-    apart = np.abs(end - offset[:, None] - end[0]).max(axis=0)
-    agree = apart <= END_SLACK_US + 0.1 * np.median(end - start, axis=0)
-    if agree.sum() * 2 < len(names):
-        return [], (
-            f"the {len(names)} collectives matched across ranks (by name and order) do not end together even with "
-            f"the clocks aligned (up to {float(apart.max()) / 1000:.1f} ms apart): no late-rank analysis"
-        )
-    names = [name for name, ok in zip(names, agree.tolist(), strict=True) if ok]
-    index, start, end = index[:, agree], start[:, agree], end[:, agree]
+    offset = clock_offsets(end)
+    keep, note = _consistent(start - offset[:, None], end - offset[:, None])
+    if note:
+        return [], note
+    names = [name for name, ok in zip(names, keep.tolist(), strict=True) if ok]
+    index, start, end = index[:, keep], start[:, keep], end[:, keep]
     arrival = start - offset[:, None]
     last = np.argmax(arrival, axis=0)
     wait = np.clip(arrival.max(axis=0) - arrival, 0.0, end - start)  # a rank cannot wait longer than its collective
@@ -178,7 +229,7 @@ def late_ranks(ranks: list[RankCollectives]) -> tuple[list[dict[str, Any]], str 
         excess[part] = (float(mine.sum()), float(theirs.sum()))
     cause = max(excess, key=lambda part: excess[part][0] - excess[part][1])
     # the sums cover the collectives compared; when some were left out (ends apart), a step's worth is that share
-    kept = float(agree.mean())
+    kept = float(keep.mean())
     per = max(slow.steps, 1) * kept
     unit = "per step" if slow.steps else "in the trace"
     lateness = arrival[late, cols] - np.median(arrival[others][:, cols], axis=0)
