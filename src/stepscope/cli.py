@@ -54,7 +54,11 @@ _VALUED = {
     "--apply",
     "--out",
     "--out-wait-s",
+    "--verify-repeats",
+    "--verify-budget-s",
 }
+# Options whose value may be left out: the next word is theirs only when it is a number (``--verify 2 train.py``).
+_OPTIONAL_VALUE = {"--verify"}
 _SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
 
 
@@ -67,7 +71,7 @@ def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
         word = argv[i]
         if word == "--" or word == "-m" or not word.startswith("-"):
             break
-        if word in _VALUED:
+        if word in _VALUED or (word in _OPTIONAL_VALUE and i + 1 < len(argv) and argv[i + 1].isdigit()):
             i += 1
         i += 1
     return argv[:i], argv[i:]
@@ -395,10 +399,22 @@ def _doctor(args: argparse.Namespace) -> int:
     summary.notes += notes
     _attach_trace(args, summary, started)
     examine(summary, lint)
+    if args.verify:
+        _verify(args, target, summary)
     sys.stdout.flush()
     print_doctor(summary)
     _save_summary(args, summary)
     return code
+
+
+def _verify(args: argparse.Namespace, target: Any, summary: RunSummary) -> None:
+    """``doctor --verify N``: measure the top N appliable fixes against the baseline, interleaved (see verify.py)."""
+    from stepscope.analyses.ab import Settings
+    from stepscope.instrument.verify import plan, verify
+
+    chosen = plan(summary.fixes, args.verify, args.allow_numerics)
+    settings = Settings(repeats=args.verify_repeats, steps=args.steps, warmup=args.warmup)
+    verify(target, summary, chosen, settings, args.verify_budget_s)
 
 
 NO_LOADER = (
@@ -735,6 +751,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         help="after the measured steps, iterate the loader alone this many batches (at most 20 s) for its "
         "ceiling; 0 skips it (default 100)",
+    )
+    doctor.add_argument(
+        "--verify",
+        type=_int_at_least(1),
+        nargs="?",
+        const=3,
+        default=None,
+        metavar="N",
+        help="then apply each of the top N fixes that --apply can make (default 3) and measure its speedup against "
+        "the baseline in interleaved runs (--warmup/--steps each), with a 95%% interval; fixes re-ranked by it",
+    )
+    doctor.add_argument(
+        "--verify-repeats", type=_int_at_least(2), default=3, help="runs of the baseline and of each fix (default 3)"
+    )
+    doctor.add_argument(
+        "--verify-budget-s",
+        type=float,
+        default=900.0,
+        help="start no verification run that would end past this many seconds (default 900)",
+    )
+    doctor.add_argument(
+        "--allow-numerics",
+        action="store_true",
+        help="also verify fixes that change numerics (bf16, TF32): their runs compute a slightly different model",
     )
     doctor.set_defaults(func=_doctor)
 

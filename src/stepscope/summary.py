@@ -99,6 +99,10 @@ class Fix:
     gain_reason: str = ""
     changes_numerics: bool = False
     gain_basis: str = "step"  # what gain_bound is a share of: "step" time, or "wall" time (outside the steps)
+    apply: str | None = None  # `--apply` argument with the value the evidence recommends (loader.num_workers=2)
+    # `doctor --verify`: what the fix gained when applied, from interleaved runs: speedup, ci_low, ci_high, runs
+    # ([baseline, with the fix]), verdict, applied (--apply argument), flag (why the doctor should learn from it)
+    measured: dict[str, Any] | None = None
 
 
 @dataclass

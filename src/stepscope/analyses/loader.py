@@ -339,6 +339,16 @@ def worker_cap(cores: float, ranks_per_machine: int = 1) -> int:
     return max(1, int(cores // max(ranks_per_machine, 1)) - 1)
 
 
+WAITING_WORKERS_MAX = 8  # workers that mostly sleep cost memory (a dataset copy, prefetched batches) but no core
+
+
+def waiting_workers(fetch_ms: float, compute_ms: float, cap: int = WAITING_WORKERS_MAX) -> int:
+    """Loader workers that hide a fetch that mostly waits (storage, network, a sleep) behind the rest of the step:
+    each worker delivers a batch every ``fetch_ms``, the step takes one every ``compute_ms``, so ``fetch_ms /
+    compute_ms`` workers keep up; at least 2, at most ``cap``. Cores do not bound them: waiting workers use none."""
+    return max(2, min(cap, math.ceil(fetch_ms / max(compute_ms, 0.5))))
+
+
 def machine_worker_cap() -> tuple[int, str]:
     """``worker_cap`` for this process (its cgroup quota, else its CPU affinity; torchrun's LOCAL_WORLD_SIZE ranks
     sharing them), and the figures it rests on, in words."""

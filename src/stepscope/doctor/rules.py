@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analyses.loader import WAITING_WORKERS_CPU, LoaderSettings, worker_cap
+from stepscope.analyses.loader import WAITING_WORKERS_CPU, LoaderSettings, waiting_workers, worker_cap
 from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import cores_of, ranks_per_machine, threads_for_workers
 from stepscope.doctor.lint import LintHit
@@ -54,6 +54,7 @@ class Finding:
     gain_reason: str = ""
     how: str | None = None  # replaces the rule's generic ``how`` when the facts give the exact change
     basis: str = "step"  # what gain_bound is a share of: step time, or "wall" time outside the steps
+    apply: str | None = None  # the `--apply FIX=VALUE` that makes the change, where it takes a measured value
 
 
 @dataclass
@@ -196,7 +197,7 @@ def _loader_workers(case: Case) -> Finding | None:
     cores, local = case.cores(), case.local_ranks()
     if cores and case.loader_workers() * local >= cores:
         return None  # another loader's workers already fill the cores: more workers would only time-share them
-    hint = None
+    hint, workers = None, None
     swept = (case.summary.dataloader.get("best") or {}).get("settings")
     if swept is not None:  # the sweep measured the worker counts on this machine: its best is the advice
         if swept["num_workers"] == 0:
@@ -205,9 +206,17 @@ def _loader_workers(case: Case) -> Finding | None:
         gain = "" if best.get("gain") is None else f", {100 * best['gain']:+.0f}% over the current setting"
         rate = f"{best['samples_per_s']:,.0f} samples/s{gain}"
         hint = f"{LoaderSettings(**swept).snippet()} (the loader sweep's best: {rate})"
-    elif cores:
+        workers = swept["num_workers"]
+    elif case.signals().get("io_bound"):  # the fetch waits rather than computes: workers overlap the waits
+        workers = waiting_workers(case.ms("data_wait"), case.ms(TOTAL) - case.ms("data_wait"))
         hint = (
-            f"DataLoader(..., num_workers={worker_cap(cores, local)}, persistent_workers=True) "
+            f"DataLoader(..., num_workers={workers}, persistent_workers=True) (the fetch mostly waits: {workers} "
+            f"workers overlap {case.ms('data_wait'):.1f} ms of fetching with the rest of the step, using no core)"
+        )
+    elif cores:
+        workers = worker_cap(cores, local)
+        hint = (
+            f"DataLoader(..., num_workers={workers}, persistent_workers=True) "
             f"({cores:g} usable cores, {local} rank(s) on this machine)"
         )
     loader = loaders[0]
@@ -216,7 +225,8 @@ def _loader_workers(case: Case) -> Finding | None:
         f"data_wait is {pct(data)} of the step ({case.ms('data_wait'):.1f} ms of {case.ms(TOTAL):.1f} ms)",
         *_at(case.lines("num_workers_zero")),
     ]
-    return Finding(evidence, data, "at most the time spent waiting for data", how=hint)
+    apply = None if workers is None else f"loader.num_workers={workers}"
+    return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
 
 
 @rule(
@@ -1201,6 +1211,7 @@ def findings(case: Case) -> tuple[list[Fix], list[str]]:
                 gain_reason=finding.gain_reason,
                 changes_numerics=entry.changes_numerics,
                 gain_basis=finding.basis,
+                apply=finding.apply,
             )
         )
     return fixes, notes

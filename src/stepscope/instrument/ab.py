@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -120,18 +121,28 @@ def run_ab(
     variants: list[Variant],
     settings: Settings,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    budget_s: float | None = None,
 ) -> ABResult:
     """Run every variant ``settings.repeats`` times interleaved (A B A B ...), so that a drift of the machine
     (clocks, thermals, a neighbour's load) falls on both alike; then compare. Each run measures ``settings.steps``
     steps after ``settings.warmup``, then stops. A run interrupted (Ctrl-C, SIGTERM) ends the A/B there: what was
-    measured is still compared."""
+    measured is still compared. With ``budget_s``, no run starts that would likely end past it (the runs so far
+    give its likely length): what ran within the budget is compared."""
     config = RunConfig(out_dir="", warmup=settings.warmup, steps=settings.steps, system_interval_s=SAMPLE_INTERVAL_S)
     runs: list[list[RunFigures]] = [[] for _ in variants]
     total, stopped = settings.repeats * len(variants), None
+    started = time.monotonic()
     try:
         for order in range(1, total + 1):
             index = (order - 1) % len(variants)
             variant = variants[index]
+            elapsed = time.monotonic() - started
+            if budget_s is not None and order > 1 and elapsed * order / (order - 1) > budget_s:
+                stopped = (
+                    f"the budget of {budget_s:g} s ran out after {order - 1} of {total} runs ({elapsed:.0f} s); "
+                    "compared what ran."
+                )
+                break
             log(f"stepscope ab: run {order}/{total}: {variant.name}")
             code, summary = launch.run(variant.target, replace(config, apply=variant.apply), env=variant.env)
             figures = run_figures(summary, code, order)

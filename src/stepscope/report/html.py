@@ -59,6 +59,7 @@ ol.fixes > li:first-child { border-top: none; }
        border: 1px solid var(--line); color: var(--mute); }
 .tag.cost-config { color: #1a7f37; border-color: #1a7f37; } .tag.cost-code { color: #9a6700; border-color: #9a6700; }
 .tag.cost-infra { color: #cf222e; border-color: #cf222e; } .tag.gain { color: var(--ink); font-weight: 600; }
+.tag.measured { color: #1a7f37; border-color: #1a7f37; font-weight: 600; }
 .gainbar { display: inline-block; width: 120px; height: 8px; background: #eaeef2; border-radius: 4px;
            vertical-align: middle; margin-left: 8px; }
 .gainbar i { display: block; height: 8px; background: var(--accent); border-radius: 4px; }

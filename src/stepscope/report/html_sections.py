@@ -10,7 +10,15 @@ from stepscope.analyses.loader import LoaderSettings
 from stepscope.doctor.verdict import late_rank_lines
 from stepscope.record import TOTAL
 from stepscope.report.svg import bars, esc, fmt_number, line_chart, stacked_bars
-from stepscope.report.terminal import applied_line, exit_line, gain_text, rank_list, shown_ranks, split_contention
+from stepscope.report.terminal import (
+    applied_line,
+    exit_line,
+    gain_text,
+    measured_text,
+    rank_list,
+    shown_ranks,
+    split_contention,
+)
 from stepscope.summary import Fix, RunSummary
 
 # What each verdict means for the person reading it (the vocabulary of DESIGN.md and docs/doctor.md).
@@ -101,10 +109,11 @@ def _fix(rank: int, fix: Fix) -> str:
         width = max(0.0, min(100.0, 100 * fix.gain_bound))
         bar = f'<span class="gainbar" title="{esc(gain)}"><i style="width:{width:.1f}%"></i></span>'
     numerics = '<span class="tag">changes numerics</span>' if fix.changes_numerics else ""
+    measured = f'<span class="tag measured">measured {esc(measured_text(fix))}</span>' if fix.measured else ""
     head = (
         f'<div><span class="fix-title">{rank}. {esc(fix.title)}</span>'
         f'<span class="tag cost-{esc(fix.cost)}">{esc(fix.cost)}</span><span class="tag gain">{esc(gain)}</span>'
-        f"{bar}{numerics} <code>{esc(fix.id)}</code></div>"
+        f"{bar}{measured}{numerics} <code>{esc(fix.id)}</code></div>"
     )
     rows = [("why", esc(fix.why))]
     if fix.evidence:
@@ -112,6 +121,17 @@ def _fix(rank: int, fix: Fix) -> str:
     rows.append(("how", f"<code>{esc(fix.how)}</code>"))
     if fix.gain_reason:
         rows.append(("bound", esc(fix.gain_reason)))
+    if fix.measured is not None:
+        m = fix.measured
+        rows.append(
+            (
+                "measured",
+                f"{esc(measured_text(fix))} with <code>--apply {esc(m['applied'])}</code>: {m['runs'][1]} runs "
+                f"against {m['runs'][0]} of the baseline, interleaved (95% interval)",
+            )
+        )
+        if m.get("flag"):
+            rows.append(("flag", esc(m["flag"])))
     if fix.changes_numerics:
         rows.append(("note", "This changes the numerics of training: check the loss curve."))
     details = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in rows)

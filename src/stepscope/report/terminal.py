@@ -450,15 +450,34 @@ def gain_text(fix: Fix) -> str:
     return "?" if fix.gain_bound is None else f"≤ {100 * fix.gain_bound:.0f}%"
 
 
+def measured_text(fix: Fix) -> str:
+    """A verified fix's measured speedup in words: "1.84x (1.52-2.23) faster", "no detectable difference (0.97-1.04)";
+    "" when it was not verified."""
+    m = fix.measured
+    if m is None:
+        return ""
+    interval = f" ({m['ci_low']:.2f}-{m['ci_high']:.2f})" if m.get("ci_low") is not None else ""
+    if m["verdict"] in ("faster", "slower"):
+        return f"{m['speedup']:.2f}x{interval} {m['verdict']}"
+    speedup = f"{m['speedup']:.2f}x, " if m.get("speedup") is not None else ""
+    return f"{speedup}{m['verdict']}{interval}"
+
+
 def fix_table(summary: RunSummary, ascii_only: bool = False) -> Table:
-    """One row per ranked fix: rank, id, title, cost, gain bound, whether it changes numerics."""
+    """One row per ranked fix: rank, id, title, cost, gain bound, the measured speedup (``--verify``), whether it
+    changes numerics."""
+    verified = any(fix.measured for fix in summary.fixes)
     table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for header, justify in (("#", "right"), ("fix", "left"), ("", "left"), ("cost", "left"), ("gain", "right")):
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    if verified:
+        table.add_column("measured (95% interval)", justify="left")
     table.add_column("numerics", justify="left")
     for rank, fix in enumerate(summary.fixes, 1):
         numerics = "changes" if fix.changes_numerics else ""
-        table.add_row(str(rank), fix.id, escape(terminal_safe(fix.title)), fix.cost, gain_text(fix), numerics)
+        row = [str(rank), fix.id, escape(terminal_safe(fix.title)), fix.cost, gain_text(fix)]
+        row += [escape(terminal_safe(measured_text(fix)))] if verified else []
+        table.add_row(*row, numerics)
     return table
 
 
@@ -474,7 +493,11 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
     if not summary.fixes:
         console.print("\nno fix applies to what was measured.", markup=False)
         return
-    console.print("\nfixes, cheapest first, then by the most step time they can save:", markup=False)
+    if any(fix.measured for fix in summary.fixes):
+        heading = "fixes, measured gains first (--verify), then cheapest first, then by the step time they can save:"
+    else:
+        heading = "fixes, cheapest first, then by the most step time they can save:"
+    console.print(f"\n{heading}", markup=False)
     console.print(fix_table(summary, ascii_only=_plain(console)))
     for rank, fix in enumerate(summary.fixes, 1):
         gain = f"{gain_text(fix)} of {fix.gain_basis} time" if fix.gain_bound is not None else "gain not bounded"
@@ -482,6 +505,14 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
         lines = [f"why: {fix.why}", *(f"seen: {line}" for line in fix.evidence), f"how: {fix.how}"]
         if fix.gain_reason:
             lines.append(f"bound: {fix.gain_reason}")
+        if fix.measured is not None:
+            runs = fix.measured["runs"]
+            lines.append(
+                f"measured: {measured_text(fix)} with --apply {fix.measured['applied']} ({runs[1]} runs against "
+                f"{runs[0]} of the baseline, interleaved)"
+            )
+            if fix.measured.get("flag"):
+                lines.append(f"flag: {fix.measured['flag']}")
         if fix.changes_numerics:
             lines.append("note: this changes the numerics of training; check the loss curve.")
         for line in lines:  # wrapped lines stay indented under their label
