@@ -137,3 +137,18 @@ def test_a_reduced_rank_holds_its_collectives_as_arrays(job):
     assert all(isinstance(a, np.ndarray) and a.shape == (6,) for a in arrays)
     assert collectives.name.dtype == np.int32
     assert reduced.step_names == {f"ProfilerStep#{n}" for n in range(1, 5)} and reduced.window_step_names == 4
+
+
+def test_a_large_jobs_rank_table_lists_the_named_and_outlying_ranks():
+    from stepscope.analyses.trace.analyze import RankTrace
+    from stepscope.report.trace import RANK_ROWS, outlying_ranks
+
+    ranks = [
+        RankTrace(r, f"r{r}.json", "job", "distributedInfo", "cuda", step_ms=100.0, idle_pct=10.0) for r in range(64)
+    ]
+    ranks[7].step_ms = 130.0  # 30% slower
+    ranks[40].idle_pct = 35.0  # 25 points idler
+    shown = outlying_ranks(ranks, named={63})
+    assert len(shown) == RANK_ROWS and [r.rank for r in shown][:2] == [0, 1]  # ties keep rank order
+    assert {7, 40, 63} <= {r.rank for r in shown}
+    assert outlying_ranks(ranks[:RANK_ROWS], named=set()) == ranks[:RANK_ROWS]

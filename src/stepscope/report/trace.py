@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import IO
 
 from rich import box
@@ -25,6 +27,32 @@ def _pct(value: float | None) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
+
+
+RANK_ROWS = 16  # a larger job's table lists the ranks that stand out; the JSON has every rank
+
+
+def outlying_ranks(ranks: list[RankTrace], named: set[int]) -> list[RankTrace]:
+    """All ranks up to ``RANK_ROWS``; beyond, the ``named`` ones (stragglers, late ranks) and those farthest from
+    the job's median step time (in % of it) or idle share (in points), in rank order."""
+    if len(ranks) <= RANK_ROWS:
+        return ranks
+
+    def median(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    step, idle = median([r.step_ms for r in ranks]), median([r.idle_pct for r in ranks])
+
+    def distance(r: RankTrace) -> float:
+        if r.rank in named:
+            return math.inf
+        off = [abs(r.idle_pct - idle) if r.idle_pct is not None and idle is not None else 0.0]
+        if r.step_ms is not None and step:
+            off.append(100 * abs(r.step_ms - step) / step)
+        return max(off)
+
+    return sorted(sorted(ranks, key=distance, reverse=True)[:RANK_ROWS], key=lambda r: r.rank)
 
 
 def rank_breakdown(ranks: list[RankTrace], ascii_only: bool = False) -> Table:
@@ -98,7 +126,13 @@ def print_trace(analysis: TraceAnalysis, top_ranks: int = 1, file: IO[str] | Non
         ranks = [r for r in analysis.ranks if r.job == job]
         files = ", ".join(sorted({r.file.rsplit("/", 1)[-1] for r in ranks}))
         console.print(f"\nstepscope trace · {_text(job)} · {len(ranks)} rank(s) · {_text(files[:200])}")
-        console.print(rank_breakdown(ranks, plain))
+        named = {s["rank"] for s in (*analysis.stragglers, *analysis.late_ranks) if s["job"] == job}
+        shown = outlying_ranks(ranks, named)
+        if len(shown) < len(ranks):
+            console.print(
+                f"the {len(shown)} of {len(ranks)} ranks that stand out (late, straggling, farthest from the median):"
+            )
+        console.print(rank_breakdown(shown, plain))
         for r in ranks[:top_ranks]:
             if r.top_kernels:
                 console.print(f"top kernels, rank {r.rank}:")
