@@ -6,7 +6,6 @@ first run shows that the script left alone does the opposite, so each assertion 
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 from run_helpers import run_env, stepscope_run, torchrun
 
 from stepscope.instrument.apply import APPLIABLE, ApplyError, Injector, parse_fixes
+from stepscope.instrument.hooks import patcher
 
 TRAIN = """
 import json, os, sys, time
@@ -118,13 +118,7 @@ def test_unknown_error_lists_every_appliable_id() -> None:
 def injected() -> Iterator[Callable[[list[str]], Injector]]:
     """Install an Injector for the given --apply words with hooks.py's kind of removable patch; removed after."""
     undo: list[Callable[[], None]] = []
-
-    def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = getattr(owner, name)
-        wrapper = make(original)
-        functools.update_wrapper(wrapper, original)
-        setattr(owner, name, wrapper)
-        undo.append(lambda: setattr(owner, name, original))
+    patch = patcher(undo)
 
     def install(words: list[str]) -> Injector:
         injector = Injector(parse_fixes(words))

@@ -19,6 +19,20 @@ from typing import Any
 from stepscope.instrument.tracker import Tracker
 
 
+def patcher(undo: list[Callable[[], None]]) -> Callable[[Any, str, Callable[[Any], Any]], None]:
+    """``patch(owner, name, make)``: replace ``owner.name`` by ``make(original)`` (with the original's name and
+    docstring), appending to ``undo`` what puts the original back."""
+
+    def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(owner, name, wrapper)
+        undo.append(lambda: setattr(owner, name, original))
+
+    return patch
+
+
 def install(tracker: Tracker) -> Callable[[], None]:
     """Hook torch's training entry points to ``tracker``; returns the function that removes them."""
     import torch
@@ -28,13 +42,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
     compiling = torch.compiler.is_compiling
     undo: list[Callable[[], None]] = []
-
-    def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = getattr(owner, name)
-        wrapper = make(original)
-        functools.update_wrapper(wrapper, original)
-        setattr(owner, name, wrapper)
-        undo.append(lambda: setattr(owner, name, original))
+    patch = patcher(undo)
 
     # data_wait, epochs, batch size ------------------------------------------------------------------------------
     def make_iter(original: Any) -> Any:
