@@ -143,3 +143,11 @@ def test_the_budget_stops_runs_that_would_end_past_it(tmp_path):
     ), result.stopped
     assert any("--verify: the budget of 0.5 s ran out" in note for note in summary.notes), summary.notes
     assert summary.fixes[0].measured["verdict"] == "unknown"  # no run of the fix: nothing to compare
+
+
+def test_a_worker_fix_is_measured_after_its_prefetched_batches_are_drained():
+    from stepscope.instrument.verify import _queue_steps
+
+    chosen = plan([fix("loader.num_workers", apply="loader.num_workers=8"), fix("debug.anomaly")], 2, False)
+    assert _queue_steps(chosen) == 18  # 8 workers x 2 batches ahead, and 2 more
+    assert _queue_steps(plan([fix("debug.anomaly")], 1, False)) == 0

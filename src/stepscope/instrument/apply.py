@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,16 @@ class Injector:
                     self._fail(wanted, f"stepscope could not read a DataLoader's arguments ({error})")
                     return original(loader, *args, **kwargs)
                 try:
-                    return original(*bound.args, **bound.kwargs)
+                    if "loader.num_workers" not in done:
+                        return original(*bound.args, **bound.kwargs)
+                    # The worker count was asked for (workers that wait need no core): torch's warning that it
+                    # exceeds the cores, at construction and at each new iterator, is stepscope's doing, not the
+                    # script's.
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+                        original(*bound.args, **bound.kwargs)
+                    loader.check_worker_number_rationality = lambda: None
+                    return None
                 except Exception as error:  # torch refused the combination: build the loader as written
                     for fix_id in done:
                         self._where[fix_id].remove(label)

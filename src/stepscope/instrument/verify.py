@@ -61,6 +61,13 @@ def plan(fixes: list[Fix], top: int, allow_numerics: bool) -> VerifyPlan:
     return chosen
 
 
+def _queue_steps(chosen: VerifyPlan) -> int:
+    """Warm-up steps that drain the batches more loader workers fetch ahead (workers x prefetch_factor, torch's
+    default 2) before measuring: counted, they would make a worker fix look faster than its workers can be."""
+    workers = [int(arg.split("=")[1]) for _, arg in chosen.chosen if arg.startswith("loader.num_workers=")]
+    return max((2 * n + 2 for n in workers), default=0)
+
+
 def largest_speedup(fix: Fix) -> float | None:
     """The speedup the fix's bound allows: saving a share ``b`` of the step is at most ``1 / (1 - b)``; None when
     unbounded or bounded on wall time (a pass outside the steps, which the step time does not show)."""
@@ -131,6 +138,7 @@ def verify(
     if not chosen.chosen:
         summary.notes.append("--verify: none of the ranked fixes can be applied at runtime; nothing was measured.")
         return None
+    settings = dataclasses.replace(settings, warmup=max(settings.warmup, _queue_steps(chosen)))
     command = " ".join(target.argv)
     variants = [Variant(BASELINE, command, {}, target)]
     variants += [Variant(fix.id, command, {}, target, parse_fixes([arg])) for fix, arg in chosen.chosen]
