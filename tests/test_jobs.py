@@ -43,10 +43,16 @@ def job(world: int = 4, per_node: int = 2, slow: int | None = None) -> list[RunS
     [
         ({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "GROUP_RANK": "2"}, (5, 1, 8, 2)),
         ({"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1"}, (3, 1, 4, 1)),
-        ({"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8"}, (6, 2, 8, None)),
+        (
+            {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8"},
+            (6, 2, 8, None),
+        ),
         ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, (1, 1, 2, None)),
         # torchrun under srun (one task per node): SLURM_PROCID is the node's index, RANK the training rank.
-        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2"}, (6, 2, 8, None)),
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2"},
+            (6, 2, 8, None),
+        ),
         ({}, (None, None, None, None)),
         ({"RANK": "x"}, (None, None, None, None)),
     ],
@@ -59,7 +65,9 @@ def test_rank_identity_from_each_launcher(env, expected):
 
 def test_job_id_from_the_scheduler_then_torchrun_then_the_rendezvous():
     rendezvous = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-    assert job_id({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "TORCHELASTIC_RUN_ID": "abc", **rendezvous}) == "slurm:77.3"
+    assert (
+        job_id({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "TORCHELASTIC_RUN_ID": "abc", **rendezvous}) == "slurm:77.3"
+    )
     assert job_id({"TORCHELASTIC_RUN_ID": "abc", **rendezvous}) == "torchrun:abc"
     # torchrun's default --rdzv-id names nothing: every multi-node job would share it.
     assert job_id({"TORCHELASTIC_RUN_ID": "none", **rendezvous}) == "rendezvous:10.0.0.1:29500"
@@ -145,7 +153,7 @@ def test_unreadable_files_are_skipped_with_a_note_and_missing_paths_or_nothing_r
     found = gather([tmp_path])
     assert len(found.ranks) == 1 and len(found.notes) == 2
     assert any("broken.json was skipped" in note for note in found.notes)
-    with pytest.raises(MergeError, match="nope.json: no such file or folder"):
+    with pytest.raises(MergeError, match=r"nope\.json: no such file or folder"):
         gather([tmp_path / "nope.json"])
     (tmp_path / "rank0.json").unlink()
     with pytest.raises(MergeError, match="no stepscope summary could be read"):
