@@ -243,12 +243,12 @@ class RecordedProcess:
     def finish(self, ranks: dict[int, int]) -> str:
         """After the run: name the ranks' towers (``ranks``: pid -> rank), clean up; one line for the user."""
         log = self._log.read_text(errors="replace") if self._log.is_file() else ""
-        holder = self._status.read()["holder"]
+        status = self._status.read()
         shutil.rmtree(self._work, ignore_errors=True)
         if not self.out.is_file():
             why = self.warning or f"py-spy: {error_line(log)}"
             return f"stepscope: no flame graph was written ({why}); the run itself went on."
-        _relabel(self.out, holder, ranks, self.argv)
+        _relabel(self.out, status["holder"], status["command"], ranks, self.argv)
         found = re.search(r"Samples: (\d+) Errors: (\d+)", log)
         counts = f" ({found.group(1)} samples, {found.group(2)} errors)" if found else ""
         warning = f" {self.warning}." if self.warning else ""
@@ -289,18 +289,26 @@ def _shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _relabel(svg: Path, holder: int | None, ranks: dict[int, int], argv: list[str]) -> None:
+def _relabel(svg: Path, holder: int | None, command: int | None, ranks: dict[int, int], argv: list[str]) -> None:
     """Make the graph speak of the run, not of its plumbing: the title is the user's command, the holder's root
-    frame "stepscope run", and the ranks' ``process PID:"cmd"`` frames ``rank N (pid PID):"cmd"``."""
+    frame "stepscope run", the command's (pid ``command``) ``process PID:"argv"`` and the ranks' ``process
+    PID:"cmd"`` frames ``rank N (pid PID):"cmd"``."""
     from html import escape
 
     text = svg.read_text()
     title = escape(f"stepscope run: {shlex.join(argv)}", quote=False)
     text = re.sub(r'(<text id="title"[^>]*>)[^<]*', lambda m: m.group(1) + title, text, count=1)
+    # In titles the command line is whole, and followed by the sample count; in labels it may be cut short.
     if holder is not None:
-        # In titles the command line is whole, and followed by the sample count; in labels it may be cut short.
         text = re.sub(rf"process {holder}:&quot;[^<]*?&quot;(?= \()", "stepscope run", text)
         text = re.sub(rf"process {holder}:[^<]*", "stepscope run", text)
+    if command is not None:
+        # py-spy reads a process's command line once, when it first sees it: between the holder's fork and exec
+        # that is the holder's own, during the exec it is empty (both seen on a loaded machine). The command's
+        # is known: argv.
+        name = escape(f'process {command}:"{shlex.join(argv)}"')
+        text = re.sub(rf"(<title>)process {command}:&quot;[^<]*?&quot;(?= \()", lambda m: m.group(1) + name, text)
+        text = re.sub(rf"(<text[^>]*>)process {command}:[^<]*", lambda m: m.group(1) + name, text)
     for pid, rank in ranks.items():
         text = text.replace(f"process {pid}:", f"rank {rank} (pid {pid}):")
     svg.write_text(text)
