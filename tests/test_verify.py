@@ -138,8 +138,10 @@ def test_the_budget_stops_runs_that_would_end_past_it(tmp_path):
     target = script_target(script("ab_sleep.py"), [])
     chosen = plan(summary.fixes, top=1, allow_numerics=False)
     result = verify(target, summary, chosen, Settings(repeats=3, steps=5, warmup=1), budget_s=0.5, log=print)
-    assert result is not None and result.stopped is not None and "budget of 0.5 s ran out after 1 of 6 runs" in (
-        result.stopped
+    assert (
+        result is not None
+        and result.stopped is not None
+        and "budget of 0.5 s ran out after 1 of 6 runs" in (result.stopped)
     ), result.stopped
     assert any("--verify: the budget of 0.5 s ran out" in note for note in summary.notes), summary.notes
     assert summary.fixes[0].measured["verdict"] == "unknown"  # no run of the fix: nothing to compare
