@@ -181,7 +181,7 @@ def run(
         ran_s = time.monotonic() - started
         summaries, notes = _read_ranks(out_dir, launch_id)
         if isinstance(process, RecordedProcess):
-            pids = {r.meta.pid: r.meta.rank or 0 for r in summaries if r.meta.pid is not None}
+            pids = {r.meta.pid: (r.meta.rank or 0, r.meta.command) for r in summaries if r.meta.pid is not None}
             print(process.finish(pids if target.launcher else {}), file=sys.stderr)
         if out is not None and summaries:
             summaries, more = _job_ranks(out_dir, summaries, out_wait_s)

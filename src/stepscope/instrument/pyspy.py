@@ -240,8 +240,9 @@ class RecordedProcess:
             why = f": {errors[0]}" if errors else ""
         self.warning = f"{what} ({how}){why}"
 
-    def finish(self, ranks: dict[int, int]) -> str:
-        """After the run: name the ranks' towers (``ranks``: pid -> rank), clean up; one line for the user."""
+    def finish(self, ranks: dict[int, tuple[int, str]]) -> str:
+        """After the run: name the ranks' towers (``ranks``: pid -> (rank, its command)), clean up; one line for the
+        user."""
         log = self._log.read_text(errors="replace") if self._log.is_file() else ""
         status = self._status.read()
         shutil.rmtree(self._work, ignore_errors=True)
@@ -289,10 +290,12 @@ def _shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _relabel(svg: Path, holder: int | None, command: int | None, ranks: dict[int, int], argv: list[str]) -> None:
+def _relabel(
+    svg: Path, holder: int | None, command: int | None, ranks: dict[int, tuple[int, str]], argv: list[str]
+) -> None:
     """Make the graph speak of the run, not of its plumbing: the title is the user's command, the holder's root
-    frame "stepscope run", the command's (pid ``command``) ``process PID:"argv"`` and the ranks' ``process
-    PID:"cmd"`` frames ``rank N (pid PID):"cmd"``."""
+    frame "stepscope run", the command's (pid ``command``) ``process PID:"argv"`` and each rank's ``rank N (pid
+    PID):"its command"``."""
     from html import escape
 
     text = svg.read_text()
@@ -302,15 +305,15 @@ def _relabel(svg: Path, holder: int | None, command: int | None, ranks: dict[int
     if holder is not None:
         text = re.sub(rf"process {holder}:&quot;[^<]*?&quot;(?= \()", "stepscope run", text)
         text = re.sub(rf"process {holder}:[^<]*", "stepscope run", text)
-    if command is not None:
-        # py-spy reads a process's command line once, when it first sees it: between the holder's fork and exec
-        # that is the holder's own, during the exec it is empty (both seen on a loaded machine). The command's
-        # is known: argv.
-        name = escape(f'process {command}:"{shlex.join(argv)}"')
-        text = re.sub(rf"(<title>)process {command}:&quot;[^<]*?&quot;(?= \()", lambda m: m.group(1) + name, text)
-        text = re.sub(rf"(<text[^>]*>)process {command}:[^<]*", lambda m: m.group(1) + name, text)
-    for pid, rank in ranks.items():
-        text = text.replace(f"process {pid}:", f"rank {rank} (pid {pid}):")
+    # py-spy reads a process's command line once, when it first sees it: between a fork and its exec that is the
+    # parent's, during the exec it is empty (both seen on a loaded machine). The command's (argv) and the ranks'
+    # (their summaries) are known: name them from those.
+    names = {command: f'process {command}:"{shlex.join(argv)}"'} if command is not None else {}
+    names.update({pid: f'rank {rank} (pid {pid}):"{cmd}"' for pid, (rank, cmd) in ranks.items()})
+    for pid, name in names.items():
+        label = escape(name).replace("\\", "\\\\")  # a replacement template: backslashes stand for themselves
+        text = re.sub(rf"(<title>)process {pid}:&quot;[^<]*?&quot;(?= \()", rf"\g<1>{label}", text)
+        text = re.sub(rf"(<text[^>]*>)process {pid}:[^<]*", rf"\g<1>{label}", text)
     svg.write_text(text)
 
 
