@@ -162,7 +162,16 @@ def test_sweep_finds_that_workers_help(tmp_path):
     d = r.data
     rows = d["sweep"]
     assert len(rows) >= 2, rows
-    assert {"settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error"} == set(rows[0])
+    assert {
+        "settings",
+        "samples_per_s",
+        "startup_s",
+        "peak_rss_mb",
+        "workers_cpu_pct",
+        "safe",
+        "error",
+        "incomplete",
+    } == set(rows[0])
     measured = [row["samples_per_s"] for row in rows if row["error"] is None]
     assert measured == sorted(measured, reverse=True), rows  # fastest first
     assert any(row["settings"]["num_workers"] == 0 for row in rows), rows  # the current setting was tried
