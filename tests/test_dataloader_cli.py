@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from run_helpers import RunResult, run_env, script
+from test_loader import SWEEP_ROW
 
 from stepscope.summary import RunSummary, Throughput
 
@@ -162,16 +163,7 @@ def test_sweep_finds_that_workers_help(tmp_path):
     d = r.data
     rows = d["sweep"]
     assert len(rows) >= 2, rows
-    assert {
-        "settings",
-        "samples_per_s",
-        "startup_s",
-        "peak_rss_mb",
-        "workers_cpu_pct",
-        "safe",
-        "error",
-        "incomplete",
-    } == set(rows[0])
+    assert set(rows[0]) == SWEEP_ROW
     measured = [row["samples_per_s"] for row in rows if row["error"] is None]
     assert measured == sorted(measured, reverse=True), rows  # fastest first
     assert any(row["settings"]["num_workers"] == 0 for row in rows), rows  # the current setting was tried

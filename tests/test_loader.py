@@ -44,6 +44,9 @@ from stepscope.analyses.loader import (
 
 # -- datasets of known cost ----------------------------------------------------------------------------------------
 
+# The fields of a sweep row in the JSON: a trial without its batches/s (samples/s says it).
+SWEEP_ROW = {"settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error", "incomplete"}
+
 
 def busy_wait(seconds: float) -> None:
     end = time.perf_counter() + seconds
@@ -797,16 +800,7 @@ def test_combine_ranks_carries_the_sweep():
     out = combine_ranks({0: first, 1: rank_result(120.0)}, None)
     assert [row["samples_per_s"] for row in out["sweep"]] == [300.0, 100.0, None]
     assert out["sweep"][2]["error"] == "RuntimeError: worker died"
-    assert set(out["sweep"][0]) == {
-        "settings",
-        "samples_per_s",
-        "startup_s",
-        "peak_rss_mb",
-        "workers_cpu_pct",
-        "safe",
-        "error",
-        "incomplete",
-    }
+    assert set(out["sweep"][0]) == SWEEP_ROW
     assert out["best"] == {"settings": dataclasses.asdict(S(2, 2)), "samples_per_s": 300.0, "gain": 2.0}
     assert out["sweep_skipped"] == ["x: why"]
     assert out["sweep_notes"] == ["n"]
