@@ -78,7 +78,9 @@ def _child_env(config: RunConfig, extra: dict[str, str] | None = None) -> dict[s
 def _wait(process: subprocess.Popen[bytes] | RecordedProcess) -> int:
     """Wait for the command, and live to report. A SIGTERM sent to stepscope is passed on to the command. At a
     terminal, Ctrl-C reaches the command directly (same process group), so stepscope ignores its own copy;
-    without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too.
+    without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too. When stepscope was
+    started with SIGINT ignored (a background job of a script, nohup), the command inherited that: neither reacts
+    to SIGINT, as the command alone would not.
 
     Once the command has ended, stepscope ignores SIGTERM and SIGINT for the rest of its life: all that is left is
     to merge and report what the command wrote, and the exit code is the command's anyway. A signal to the whole
@@ -88,7 +90,8 @@ def _wait(process: subprocess.Popen[bytes] | RecordedProcess) -> int:
         process.send_signal(signum)
 
     interactive = sys.stdin is not None and sys.stdin.isatty()
-    signal.signal(signal.SIGINT, signal.SIG_IGN if interactive else forward)
+    inherited_ignore = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # Python installs no handler then
+    signal.signal(signal.SIGINT, signal.SIG_IGN if interactive or inherited_ignore else forward)
     signal.signal(signal.SIGTERM, forward)
     try:
         code = process.wait()
