@@ -7,6 +7,7 @@ first run shows that the script left alone does the opposite, so each assertion 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -295,7 +296,8 @@ def test_ddp_arguments_applied_on_every_rank_and_recorded_once(tmp_path: Path) -
         "--", *torchrun(2), str(train), warmup=1, steps=2,
     )  # fmt: skip
     assert result.returncode == 0, result.describe()
-    seen = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')]
+    # The two ranks print to one stdout at once: a line may hold both objects (print writes text, then newline).
+    seen = [json.loads(found) for found in re.findall(r'\{"rank": [^{}]*\}', result.stdout)]
     assert sorted(s["rank"] for s in seen) == [0, 1], result.describe()
     assert all(s["bucket_view"] is True and s["find_unused"] is False for s in seen), seen
     summary = result.summary
