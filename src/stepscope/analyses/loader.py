@@ -451,11 +451,12 @@ def sweep_loader(
     index = 0
     while True:
         if index == len(candidates):
-            more = _beyond_cores(trials, candidates)  # workers that mostly wait: try more of them than the cap
+            widest = _widest(trials)  # workers that mostly wait: try more of them than the cap
+            more = [] if widest is None else _beyond_cores(widest, candidates)
             if not more:
                 break
             if all(c.num_workers <= cap for c in candidates):
-                notes.append(_beyond_note(trials, cap, cap_basis))
+                notes.append(_beyond_note(widest, cap, cap_basis))
             candidates += more
         settings = candidates[index]
         index += 1
@@ -535,13 +536,12 @@ def _incomplete(result: LoaderResult, batches: int, warmup: int, budget_s: float
     return f"the {budget_s:g} s budget ended its window after {result.batches} of {batches} batches"
 
 
-def _beyond_cores(trials: list[SweepTrial], tried: list[LoaderSettings]) -> list[LoaderSettings]:
+def _beyond_cores(widest: SweepTrial, tried: list[LoaderSettings]) -> list[LoaderSettings]:
     """More workers than the cap, when the most workers tried so far keep up with the fastest trial (within
-    ``KEEP_UP``) and mostly wait (reads from disk or network, not CPU): double the count, up to ``MAX_WORKERS``.
-    On a machine busy with other work CPU-bound workers also use little CPU; more of them then take a larger share
-    of it, and each trial is measured, so the sweep still picks by throughput."""
-    widest = _widest(trials)
-    if widest is None or 2 * widest.settings.num_workers > MAX_WORKERS:
+    ``KEEP_UP``) and mostly wait (reads from disk or network, not CPU; ``widest``, see ``_widest``): double the
+    count, up to ``MAX_WORKERS``. On a machine busy with other work CPU-bound workers also use little CPU; more of
+    them then take a larger share of it, and each trial is measured, so the sweep still picks by throughput."""
+    if 2 * widest.settings.num_workers > MAX_WORKERS:
         return []
     more = dataclasses.replace(widest.settings, num_workers=2 * widest.settings.num_workers)
     return [] if any(_same(more, seen) for seen in tried) else [more]
@@ -560,9 +560,8 @@ def _widest(trials: list[SweepTrial]) -> SweepTrial | None:
     return widest if keeps_up and waiting else None
 
 
-def _beyond_note(trials: list[SweepTrial], cap: int, basis: str) -> str:
-    widest = _widest(trials)
-    assert widest is not None  # only called once _beyond_cores found it
+def _beyond_note(widest: SweepTrial, cap: int, basis: str) -> str:
+    """Why the sweep went past the cap: the workers of ``widest`` (see ``_widest``) mostly wait."""
     per_worker = (widest.workers_cpu_pct or 0.0) / widest.settings.num_workers
     return (
         f"more workers than the cap of {cap} ({basis}, one kept for training) were tried: at "

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stepscope.analyses.loader import WORKER_COUNT_WARNING
+
 BOOL_WORDS = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
 
@@ -230,7 +232,7 @@ class Injector:
                     # exceeds the cores, at construction and at each new iterator, is stepscope's doing, not the
                     # script's.
                     with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+                        warnings.filterwarnings("ignore", message=WORKER_COUNT_WARNING, category=UserWarning)
                         original(*bound.args, **bound.kwargs)
                     loader.check_worker_number_rationality = lambda: None
                     return None
