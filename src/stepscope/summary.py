@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,6 +318,30 @@ class RunSummary:
         except orjson.JSONDecodeError as exc:
             raise SummaryError(f"{path} is not valid JSON ({exc}).") from exc
         return cls.from_dict(data, source=str(path))
+
+
+def summary_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[str, str]]]:
+    """The summary files named by ``paths`` (a folder: the ``*.json`` directly in it, sorted), each once, in the
+    order given; and (path, why) for each path that gave none: it does not exist, or is a folder without any."""
+    files: list[Path] = []
+    problems: list[tuple[str, str]] = []
+    seen: set[Path] = set()
+    for item in paths:
+        text, path = str(item), Path(item)
+        if path.is_dir():
+            found = sorted(path.glob("*.json"))
+            if not found:
+                problems.append((text, f"{text} is a folder with no *.json file in it."))
+        elif path.exists():
+            found = [path]
+        else:
+            problems.append((text, f"{text}: no such file or folder."))
+            found = []
+        for file in found:
+            if file.resolve() not in seen:
+                seen.add(file.resolve())
+                files.append(file)
+    return files, problems
 
 
 def _check_vocabulary(summary: RunSummary, source: str) -> None:

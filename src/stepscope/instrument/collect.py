@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepscope.summary import RunSummary, SummaryError
+from stepscope.summary import RunSummary, SummaryError, summary_files
 
 RANK_FILES = "rank*-pid*.json"
 
@@ -39,16 +39,12 @@ def _rank(summary: RunSummary) -> int:
 
 
 def _files(inputs: Iterable[str | Path]) -> list[Path]:
-    """Every summary file named, or found directly in a named folder (``*.json``, sorted)."""
-    files = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            files += sorted(p for p in path.glob("*.json") if p.is_file())
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise MergeError(f"{item}: no such file or folder.")
+    """Every summary file named, or found directly in a named folder (``*.json``, sorted), each once; MergeError
+    for a path that does not exist (a folder without summaries is left to the caller's "nothing readable")."""
+    files, problems = summary_files(inputs)
+    for path, why in problems:
+        if not Path(path).exists():
+            raise MergeError(why)
     return files
 
 

@@ -18,28 +18,13 @@ from rich.table import Table
 
 from stepscope.analyses.scale import FOLDER, ScaleError, ScaleGroup, ScaleReport, ScaleRun, Skipped, label_for
 from stepscope.report.terminal import _ASCII_HEAD, _console, _fmt_ms, _plain
-from stepscope.summary import RunSummary, SummaryError
+from stepscope.summary import RunSummary, SummaryError, summary_files
 
 
 def _files(paths: list[str], skipped: list[Skipped]) -> list[Path]:
     """The summary files named by ``paths`` (a folder: its ``*.json``), each once, in the order given."""
-    files: list[Path] = []
-    seen: set[Path] = set()
-    for text in paths:
-        path = Path(text)
-        if path.is_dir():
-            found = sorted(path.glob("*.json"))
-            if not found:
-                skipped.append(Skipped(text, f"{text} is a folder with no *.json file in it."))
-        elif path.exists():
-            found = [path]
-        else:
-            skipped.append(Skipped(text, f"{text}: no such file or folder."))
-            found = []
-        for file in found:
-            if file.resolve() not in seen:
-                seen.add(file.resolve())
-                files.append(file)
+    files, problems = summary_files(paths)
+    skipped += [Skipped(path, why) for path, why in problems]
     return files
 
 
