@@ -142,8 +142,9 @@ def phases(summary: RunSummary) -> str:
     """Stacked phase shares (the merged figures and each rank), the phase table, and the per-rank table."""
     if not summary.phases:
         return ""
+    shown = shown_ranks(summary)
     owners = [("all ranks (mean)", summary)] if summary.ranks else [("this run", summary)]
-    owners += [(_rank_name(rank), rank) for rank in shown_ranks(summary)]
+    owners += [(_rank_name(rank), rank) for rank in shown]
     names: list[str] = []
     for _, owner in owners:
         names += [n for n, p in owner.phases.items() if n != TOTAL and not p.nested and n not in names]
@@ -163,11 +164,10 @@ def phases(summary: RunSummary) -> str:
         "<code>other</code> (time no phase claimed) add up to 100%. Hover a segment for its time per step."
     )
     parts = [f'<p class="caption">{caption}</p>', chart, _phase_table(summary)]
-    shown = len(shown_ranks(summary))
-    if shown < len(summary.ranks):
+    if len(shown) < len(summary.ranks):
         parts.insert(
             1,
-            f'<p class="caption">Bars for the {shown} of {len(summary.ranks)} ranks farthest from the median (the '
+            f'<p class="caption">Bars for the {len(shown)} of {len(summary.ranks)} ranks farthest from the median (the '
             "straggler first); the table below has every rank.</p>",
         )
     if summary.ranks:
