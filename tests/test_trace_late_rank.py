@@ -148,6 +148,21 @@ def test_ends_apart_on_most_collectives_from_busy_hosts_still_find_the_late_rank
     assert late["clock_offset_ms"]["1"] == pytest.approx(0.0), "the median end difference: one host, one clock"
 
 
+def test_a_batch_that_starts_before_the_collectives_recorded_end_still_counts_whole(tmp_path):
+    """gloo records an all-reduce's end on its own thread; a busy host can deschedule that thread after it has woken
+    the main thread, so the range ends after the next batch has started loading (here 200 µs into the next step, on
+    both ranks: their ends agree). Each batch still counts whole toward the collective it delays: 1.2 ms against
+    0.1 ms, not 1.0 against 0 (clipped at the recorded end, as a real run on a busy CI host read 14.8 ms for 15)."""
+    job = tmp_path / "job"
+    everywhere = dict.fromkeys(range(5), 1300)  # all-reduces end at 2.2 ms of their 2 ms step
+    gloo_steps(0, 100, everywhere).write(job / "rank0.json")
+    gloo_steps(1, 1200, everywhere).write(job / "rank1.json")
+    analysis = analyze_trace(job, jobs=1)
+    (late,) = analysis.late_ranks
+    assert (late["rank"], late["cause"], late["collectives"], late["last_at"]) == (1, "data", 4, 4), analysis.warnings
+    assert (late["cause_ms"], late["others_cause_ms"]) == (pytest.approx(1.2), pytest.approx(0.1))
+
+
 def test_collectives_that_end_before_another_rank_starts_them_are_no_evidence(tmp_path):
     """Rank 1 traced other iterations: its all-reduces fall at other times of the step, so after the best clock
     alignment each ends before rank 0 starts it (or starts after rank 0's ended): no late rank, and a warning."""

@@ -14,9 +14,12 @@ noise (several times the median spread of the ends) and a fixed slack. Matches a
 collectives break causality (ranks traced over different steps, say).
 
 What the late rank was doing: for each rank, the time from the end of its previous collective (else the start of
-its step) to the start of this one is split into data loading (DataLoader spans), compute (computation kernels; on
-CPU-only traces ATen ops) and host (the rest: Python, launches, waits). The part where the late rank exceeds the
-other ranks' median most is the cause.
+its step) to the start of this one is split into data loading, compute (computation kernels; on CPU-only traces ATen
+ops) and host (the rest: Python, launches, waits). Data loading is the DataLoader spans that end after the previous
+collective started and by this one's start, each counted whole: gloo records a collective's end on its own thread,
+which a busy host can deschedule after it has woken the main thread, so the next batch may load before the
+collective's recorded end, or partly so.
+The part where the late rank exceeds the other ranks' median most is the cause.
 """
 
 from __future__ import annotations
@@ -68,6 +71,16 @@ def _covered_before(intervals: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> 
     return cum[started] - overshoot
 
 
+def _ended_within(intervals: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For each (lo, hi], the whole length of the disjoint sorted ``intervals`` that end in it (µs): each interval
+    counts once, where it ends."""
+    starts, ends = intervals
+    if len(starts) == 0:
+        return np.zeros(len(lo))
+    cum = np.r_[0.0, np.cumsum(ends - starts)]
+    return cum[np.searchsorted(ends, hi, side="right")] - cum[np.searchsorted(ends, lo, side="right")]
+
+
 def _within(intervals: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return _covered_before(intervals, hi) - _covered_before(intervals, lo)
 
@@ -116,10 +129,12 @@ def rank_collectives(
     lo = np.where(np.isnan(previous_end), step_start, previous_end)
     known = ~np.isnan(lo) & (lo < ts)
     lo = np.where(known, lo, ts)
+    # a batch counts whole toward the first collective that starts after it ends (see the module's doc)
+    data_lo = np.where(known, np.r_[lo[:1], ts[:-1]], ts)
     data = bd.merge(cpu["ts"][loader], cpu["end"][loader])
     either = bd.merge(np.r_[data[0], compute[0]], np.r_[data[1], compute[1]])
     seg = ts - lo
-    data_us, compute_us = _within(data, lo, ts), _within(compute, lo, ts)
+    data_us, compute_us = _ended_within(data, data_lo, ts), _within(compute, lo, ts)
     before = {"data": data_us, "compute": compute_us, "host": seg - _within(either, lo, ts)}
     used, local = np.unique(name, return_inverse=True)
     table = [trace.names[i] for i in used.tolist()]
