@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analyses.loader import WORKER_COUNT_WARNING
+from stepscope.collectors.stacks import USER, CodeKinds
 
 BOOL_WORDS = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
@@ -146,17 +147,15 @@ class Injector:
         self._ignored: dict[str, list[str]] = {i: [] for i in self.fixes}
         self._loaders = 0
         self._optimizers = 0
-        self._skip_dirs: tuple[str, ...] = ()
+        self._kinds: CodeKinds | None = None
 
     def install(self, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
         """Patch torch for the requested fixes with ``patch(owner, name, make)`` (hooks.py's: removable)."""
         if not self.fixes:
             return
-        import torch
+        import torch  # noqa: F401  (imported first: library_roots counts torch's folder, wherever it is installed)
 
-        import stepscope
-
-        self._skip_dirs = (str(Path(torch.__file__).parent), str(Path(stepscope.__file__).parent))
+        self._kinds = CodeKinds()
         for ids, install in (
             (LOADER_FIXES, self._install_loader),
             (OPTIMIZER_FIXES, self._install_optimizer),
@@ -200,9 +199,11 @@ class Injector:
             self._why[fix_id].append(why)
 
     def _site(self) -> str:
-        """``file.py:LINE`` of the script's frame that led here (the first outside torch and stepscope)."""
+        """``file.py:LINE`` of the user's frame that led here (the innermost outside installed libraries and stepscope:
+        the line of the script or of its own package, not of Lightning or torch); ``?`` when none is (``python -c``)."""
+        kinds = self._kinds or CodeKinds()
         frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(self._skip_dirs):
+        while frame is not None and kinds.kind(frame.f_code) != USER:
             frame = frame.f_back
         if frame is None:
             return "?"
