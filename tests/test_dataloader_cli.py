@@ -13,7 +13,7 @@ import torch
 from run_helpers import RunResult, run_env, script
 from test_loader import SWEEP_ROW
 
-from stepscope.summary import RunSummary, Throughput
+from stepscope.summary import PhaseStats, RunSummary, Throughput
 
 
 class LoaderRun(RunResult):
@@ -205,6 +205,30 @@ def test_against_a_training_summary(tmp_path, train_rate, input_bound):
     assert against["input_bound"] is input_bound, against
     verdict = "the input pipeline is the bottleneck" if input_bound else "the input pipeline keeps up"
     assert "against training: training consumed" in r.text and verdict in r.text, r.describe()
+
+
+def test_against_a_training_summary_the_sweep_ranks_by_that_step(tmp_path):
+    # The run trained 100 samples/s waiting half its step for data: 5 ms per sample of its own (40 ms per batch of
+    # 8). Loading in process (8 x 2 ms of sleep) adds 16 ms to that; a worker overlaps it: ~1.4x, whatever the load.
+    summary_path = tmp_path / "train.json"
+    RunSummary(
+        throughput=Throughput(samples_per_s=100.0),
+        phases={"data_wait": PhaseStats(40.0, 40.0, 40.0, 0.5, 20), "total": PhaseStats(80.0, 80.0, 80.0, 1.0, 20)},
+    ).to_json(summary_path)
+    r = stepscope_dataloader(
+        tmp_path, script("loader_train_val.py"), "--sleep", "--sample-ms", "2", "--batch-size", "8",
+        batches=15, warmup=2, options=("--sweep", "--budget-s", "20", "--against", str(summary_path)), timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.describe()
+    d = r.data
+    assert d["trainer_ms_per_sample"] == pytest.approx(5.0), d
+    current = next(row for row in d["sweep"] if row["settings"]["num_workers"] == 0)
+    assert current["train_samples_per_s"] <= 8e3 / (40 + 16), current  # the step and the load add up
+    best = d["best"]
+    assert best["settings"]["num_workers"] >= 1 and best["train_samples_per_s"] > 8e3 / 48, d
+    assert best["gain"] > 0.2, d
+    assert "sweep (fastest training first: the run against spends 5.000 ms per sample" in r.text, r.describe()
+    assert "training samples/s over the current setting" in r.text, r.describe()
 
 
 def test_against_a_summary_without_samples_per_s_is_refused(tmp_path):

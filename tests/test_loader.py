@@ -45,7 +45,10 @@ from stepscope.analyses.loader import (
 # -- datasets of known cost ----------------------------------------------------------------------------------------
 
 # The fields of a sweep row in the JSON: a trial without its batches/s (samples/s says it).
-SWEEP_ROW = {"settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error", "incomplete"}
+SWEEP_ROW = {
+    "settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error", "incomplete",
+    "main_ms", "train_samples_per_s",
+}  # fmt: skip
 
 
 def busy_wait(seconds: float) -> None:
@@ -801,7 +804,10 @@ def test_combine_ranks_carries_the_sweep():
     assert [row["samples_per_s"] for row in out["sweep"]] == [300.0, 100.0, None]
     assert out["sweep"][2]["error"] == "RuntimeError: worker died"
     assert set(out["sweep"][0]) == SWEEP_ROW
-    assert out["best"] == {"settings": dataclasses.asdict(S(2, 2)), "samples_per_s": 300.0, "gain": 2.0}
+    assert out["best"] == {
+        "settings": dataclasses.asdict(S(2, 2)), "samples_per_s": 300.0, "train_samples_per_s": None, "gain": 2.0,
+    }  # fmt: skip
+    assert out["trainer_ms_per_sample"] is None, "ranked by the loader alone"
     assert out["sweep_skipped"] == ["x: why"]
     assert out["sweep_notes"] == ["n"]
 
@@ -974,3 +980,76 @@ def test_a_trial_that_runs_out_of_data_is_flagged_not_ranked():
     assert sweep.best is None and sweep.gain is None, sweep  # ... never ranked best on a partial window
     rows = combine_ranks({0: {**rank_result(100.0), "sweep": sweep.to_dict()}}, None)["sweep"]
     assert rows[0]["incomplete"] == first.incomplete
+
+
+# -- ranking by the training step: num_workers=0 loads inside the step, workers overlap it ---------------------------
+
+
+def trial(workers: int, interval_ms: float, main_ms: float, batch: int = 8) -> SweepTrial:
+    """A measured trial: a batch of ``batch`` samples every ``interval_ms``, ``main_ms`` of it in the training
+    process."""
+    settings = S(workers, 2 if workers else None)
+    return SweepTrial(
+        settings, samples_per_s=batch * 1e3 / interval_ms, batches_per_s=1e3 / interval_ms, main_ms=main_ms
+    )
+
+
+def test_training_rate_adds_in_process_loading_to_the_step_and_overlaps_workers():
+    # 0.5 ms per sample of training = 4 ms per batch of 8. No workers: the 10 ms load adds to it (14 ms a batch);
+    # one worker delivers every 11 ms while the step takes 4 + 0.2 ms: the loader sets the pace (11 ms).
+    assert loader_mod.training_rate(trial(0, 10.0, 10.0), 0.5) == pytest.approx(8e3 / 14)
+    assert loader_mod.training_rate(trial(1, 11.0, 0.2), 0.5) == pytest.approx(8e3 / 11)
+    # a slow step sets the pace with workers: 2 ms per sample = 16 ms + 0.2 ms of hand-over
+    assert loader_mod.training_rate(trial(1, 11.0, 0.2), 2.0) == pytest.approx(8e3 / 16.2)
+    assert loader_mod.training_rate(SweepTrial(S(0)), 0.5) is None, "not measured: no rate"
+
+
+def test_without_the_step_the_sweep_says_when_workers_beat_loading_in_process():
+    alone, worker = trial(0, 10.0, 10.0), trial(1, 11.0, 0.2)
+    (note,) = loader_mod._overlap_note(alone, [alone, worker])
+    assert "its 10.00 ms per batch" in note and "more than 1.00 ms per batch (0.125 ms per sample)" in note, note
+    assert "num_workers=1, prefetch_factor=2" in note and "--against RUN.json" in note, note
+    assert loader_mod._overlap_note(worker, [alone, worker]) == [], "workers are already best"
+    assert loader_mod._overlap_note(alone, [alone]) == [], "no worker setting measured"
+
+
+class SleepyBatches(Dataset):
+    """Whole batches (``batch_size=None``) of 8 samples, each ``__getitem__`` sleeping ``batch_ms``: no CPU used, so
+    the figures hold on a busy machine."""
+
+    def __init__(self, n: int, batch_ms: float) -> None:
+        self.n, self.batch_s = n, batch_ms / 1e3
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.batch_s)
+        return torch.full((8, 4), float(i))
+
+
+def test_the_training_process_own_time_per_batch():
+    # In process the whole 10 ms fetch is the training process's; with 2 workers it only receives the batches.
+    alone = measure_loader(DataLoader(SleepyBatches(40, 10.0), batch_size=None), batches=20, warmup=2)
+    assert alone.main_ms == pytest.approx(alone.fetch_ms["mean"]) and alone.main_ms >= 10.0
+    workers = DataLoader(SleepyBatches(40, 10.0), batch_size=None, num_workers=2)
+    assert measure_loader(workers, batches=20, warmup=4).main_ms < 3.0  # CPU time: not inflated by a busy host
+
+
+def test_a_sweep_that_knows_the_step_ranks_by_the_training_rate():
+    # 10 ms of sleep per batch, a step of 10 ms besides it (1.25 ms per sample): in process a batch takes 20 ms,
+    # with any worker about 10 (the step's own pace). One worker allowed (cap of 2 cores).
+    loader = DataLoader(SleepyBatches(64, 10.0), batch_size=None)
+    sweep = sweep_loader(loader, budget_s=30, batches=12, warmup=2, cores=2, trainer_ms_per_sample=1.25)
+    assert sweep.trainer_ms_per_sample == 1.25
+    current = next(t for t in sweep.trials if t.settings == sweep.current)
+    assert current.train_samples_per_s == pytest.approx(loader_mod.training_rate(current, 1.25))
+    assert current.train_samples_per_s <= 8e3 / 20, current  # the load and the step add up
+    assert sweep.best is not None and sweep.best.settings.num_workers >= 1, sweep
+    assert sweep.gain is not None and sweep.gain > 0.5, sweep  # ~2x: the step now hides the load
+    ranked = [t.train_samples_per_s for t in sweep.trials if t.train_samples_per_s is not None]
+    assert ranked == sorted(ranked, reverse=True), "fastest training first"
+    assert not any("num_workers=0 is the fastest loader alone" in n for n in sweep.notes), sweep.notes
+    # past one worker the step sets the pace: the fewest workers within 2% of the fastest training rate is named
+    pace = [t for t in sweep.trials if t.train_samples_per_s and t.train_samples_per_s >= 0.98 * ranked[0]]
+    assert sweep.best.settings.num_workers == min(t.settings.num_workers for t in pace), sweep

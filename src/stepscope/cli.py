@@ -424,17 +424,21 @@ NO_LOADER = (
 
 
 def _dataloader(args: argparse.Namespace) -> int:
-    from stepscope.analyses.loader import combine_ranks
+    from stepscope.analyses.loader import combine_ranks, trainer_ms_per_sample
     from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
+    from stepscope.record import DATA_PHASE
     from stepscope.report.terminal import print_loader
 
     target = _target(args.command, LOADER_USAGE)
-    train_rate = None
+    train_rate = trainer_ms = None
     if args.against:
-        train_rate = RunSummary.from_json(args.against).throughput.samples_per_s
+        against = RunSummary.from_json(args.against)
+        train_rate = against.throughput.samples_per_s
         if train_rate is None:
             raise UsageError(f"{args.against} has no samples/s (no batch size was known): nothing to compare with.")
+        waiting = against.phases.get(DATA_PHASE)
+        trainer_ms = trainer_ms_per_sample(train_rate, waiting.share if waiting is not None else 0.0)
     device = None if args.device == "cpu" else args.device
     if device is not None:
         import torch
@@ -452,6 +456,7 @@ def _dataloader(args: argparse.Namespace) -> int:
         "sweep_batches": max(20, min(args.batches, 100)),
         "sweep_warmup": min(args.warmup, 10),
         "loader": args.loader,
+        "trainer_ms_per_sample": trainer_ms,
     }
     _check_outputs(args, json="loader figures")
     config = RunConfig(out_dir="", warmup=0, steps=0, stop=False, system_interval_s=None, loader_job=job)
@@ -789,7 +794,12 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--budget-s", type=float, default=120.0, help="time limit of the sweep, s (default 120)")
     loader.add_argument("--device", default="cpu", help="also copy each batch there and time the copy (cuda, cuda:1)")
     loader.add_argument("--loader", type=_int_at_least(0), help="measure the N-th loader the script iterates (0-based)")
-    loader.add_argument("--against", metavar="SUMMARY", help="a `stepscope run` summary: loader ceiling vs training")
+    loader.add_argument(
+        "--against",
+        metavar="SUMMARY",
+        help="a `stepscope run` summary of the script: loader ceiling vs training, and the sweep ranked by the "
+        "rate that run's step would reach with each setting",
+    )
     loader.add_argument("--json", metavar="PATH", help="write the loader figures here")
     loader.set_defaults(func=_dataloader)
 

@@ -40,6 +40,9 @@ MAX_WORKERS = 32
 # Past the cap, the most workers so far are doubled while they keep within 10% of the fastest trial: at a cap of 1
 # a single waiting worker only moves the waits out of the main process and may measure no faster than none.
 KEEP_UP = 0.9
+# Ranked by a training step's rate, settings within 2% of the fastest tie (the step sets their pace): the fewest
+# workers among them is named best.
+STEP_PACE_TIE = 0.02
 # torch warns at DataLoader() of more workers than it suggests; the sweep builds such loaders on purpose (waiting
 # workers), and the warning would speak of the sweep's trials as if they were the user's loader.
 WORKER_COUNT_WARNING = "This DataLoader will create"
@@ -87,6 +90,9 @@ class LoaderResult:
     ended_early: bool = False  # the loader ran out before warmup + batches
     notes: list[str] = field(default_factory=list)
     epochs: int = 1  # iterators started: more than 1 when ``restart`` began new epochs to complete the window
+    # the calling process's own time per measured batch (ms): with num_workers=0 the whole fetch (it loads the batch
+    # itself); with workers its CPU time (receiving, unpickling, pinning), what a training step still pays for them
+    main_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,6 +123,9 @@ class SweepTrial:
     safe: bool = True  # peak RSS leaves memory to spare
     error: str | None = None
     incomplete: str | None = None  # why the measured window is partial (out of data, budget): listed, never best
+    main_ms: float | None = None  # the training process's own time per batch (LoaderResult.main_ms)
+    # samples/s a trainer taking ``SweepResult.trainer_ms_per_sample`` besides its data would reach with this setting
+    train_samples_per_s: float | None = None
 
 
 @dataclass
@@ -131,6 +140,9 @@ class SweepResult:
     budget_s: float = 0.0
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # the trainer's own time per sample besides data loading (ms), when known: trials are then ranked by the rate
+    # that trainer would reach (``training_rate``), not by the loader's rate alone
+    trainer_ms_per_sample: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,6 +223,7 @@ def measure_loader(
         timer = DeviceTimer(events if events is not None else _cuda_events(device))
     non_blocking = settings is not None and settings.pin_memory
     t_iter = clock()
+    cpu_start = 0.0
     iterator: Iterator[Any] = iter(loader)
     fetch_ns: list[int] = []
     samples: list[int | None] = []
@@ -221,6 +234,8 @@ def measure_loader(
     ended = False
     epochs = 1
     while len(fetch_ns) < batches:
+        if seen == warmup:
+            cpu_start = time.process_time()
         t0 = clock()
         try:
             batch = next(iterator)
@@ -252,6 +267,7 @@ def measure_loader(
         if deadline is not None and clock() > deadline:
             break
     measured_end = clock()
+    cpu_s = time.process_time() - cpu_start
     del iterator  # shuts the workers down (unless persistent)
     notes = []
     if not fetch_ns:
@@ -269,6 +285,7 @@ def measure_loader(
     fetch_ms = [ns / 1e6 for ns in fetch_ns]
     known = [s for s in samples if s is not None]
     h2d = [seconds["h2d"] for _, seconds in timer.drain() if "h2d" in seconds]
+    in_process = settings is None or settings.num_workers == 0
     return LoaderResult(
         samples_per_s=sum(known) / elapsed_s if known and len(known) == len(samples) and elapsed_s > 0 else None,
         batches_per_s=len(fetch_ns) / elapsed_s if elapsed_s > 0 else math.inf,
@@ -286,6 +303,7 @@ def measure_loader(
         ended_early=ended and len(fetch_ns) < batches,
         notes=notes,
         epochs=epochs,
+        main_ms=statistics.fmean(fetch_ms) if in_process else 1e3 * max(cpu_s, 0.0) / len(fetch_ns),
     )
 
 
@@ -419,13 +437,21 @@ def sweep_loader(
     warmup: int = 10,
     device: str | None = None,
     cores: float | None = None,
+    trainer_ms_per_sample: float | None = None,
 ) -> SweepResult:
     """Try the settings of ``candidate_settings`` on rebuilt copies of ``loader`` until ``budget_s`` seconds are
     spent; each trial measures at least ``batches`` batches after at least ``warmup`` (see ``trial_counts``),
     starting new epochs when the data runs out. Worker counts stop at ``worker_cap`` of ``cores`` (default: this
     process's cgroup quota, else its affinity) unless the workers mostly wait. Returns every trial (samples/s,
     start-up, peak RSS of the process tree, workers' CPU), the fastest safe complete one and its gain over the
-    current setting."""
+    current setting.
+
+    ``trainer_ms_per_sample``: the training step's own time per sample besides waiting for data (ms), when known
+    (`stepscope dataloader --against RUN.json`). Trials are then ranked by the rate that trainer would reach
+    (``training_rate``): with num_workers=0 the training process loads each batch itself, so its loading adds to
+    the step instead of overlapping it; of the settings within ``STEP_PACE_TIE`` of the fastest, the one with the
+    fewest workers is named best. Without it they are ranked by the loader's rate alone, and a note says from
+    which step time a worker setting would beat num_workers=0 when that is the fastest alone."""
     from stepscope.collectors import start_collectors
 
     started = time.monotonic()
@@ -487,7 +513,9 @@ def sweep_loader(
                     restart=True,
                 )
             trial.samples_per_s, trial.batches_per_s = result.samples_per_s, result.batches_per_s
-            trial.startup_s = result.startup_s
+            trial.startup_s, trial.main_ms = result.startup_s, result.main_ms
+            if trainer_ms_per_sample is not None:
+                trial.train_samples_per_s = training_rate(trial, trainer_ms_per_sample)
             trial.incomplete = _incomplete(result, trial_batches, trial_warmup, budget_s)
         except LoaderTimeout:
             skipped.append(f"{settings.snippet()}: the {budget_s:g} s budget ran out during its warm-up")
@@ -509,8 +537,14 @@ def sweep_loader(
     ranked = sorted(measured, key=lambda t: -rate(t)) + flagged + [t for t in trials if t.error is not None]
     safe = [t for t in ranked if t in measured and t.safe]
     best = safe[0] if safe else None
+    if best is not None and trainer_ms_per_sample is not None:
+        # once the step sets the pace, more workers or a deeper prefetch buy nothing but memory
+        pace = [t for t in safe if rate(t) >= (1 - STEP_PACE_TIE) * rate(best)]
+        best = min(pace, key=lambda t: (t.settings.num_workers, t.settings.prefetch_factor or 0))
     baseline = trials[0] if trials and _complete(trials[0]) else None
     gain = rate(best) / rate(baseline) - 1 if best is not None and baseline is not None and rate(baseline) > 0 else None
+    if trainer_ms_per_sample is None and best is not None:
+        notes += _overlap_note(best, measured)
     return SweepResult(
         current=current,
         trials=ranked,
@@ -520,6 +554,7 @@ def sweep_loader(
         budget_s=budget_s,
         elapsed_s=time.monotonic() - started,
         notes=notes,
+        trainer_ms_per_sample=trainer_ms_per_sample,
     )
 
 
@@ -571,8 +606,45 @@ def _beyond_note(widest: SweepTrial, cap: int, basis: str) -> str:
 
 
 def _rate(trial: SweepTrial) -> float:
-    """Samples/s when the batches have a size, batches/s otherwise (the same ordering for one batch size)."""
+    """The training rate when the trainer's time is known; else samples/s when the batches have a size, batches/s
+    otherwise (the same ordering for one batch size)."""
+    if trial.train_samples_per_s is not None:
+        return trial.train_samples_per_s
     return trial.samples_per_s if trial.samples_per_s is not None else trial.batches_per_s or 0.0
+
+
+def training_rate(trial: SweepTrial, trainer_ms_per_sample: float) -> float | None:
+    """Samples/s a trainer that spends ``trainer_ms_per_sample`` per sample besides its data reaches with this
+    setting: it takes a batch every max(the loader's interval, its own time plus the loader's time in the training
+    process). With num_workers=0 that process loads the batch itself (``main_ms`` is the whole fetch), so the two
+    add up; workers overlap the step and leave it only their hand-over. None when the trial has no rate."""
+    if not trial.samples_per_s or not trial.batches_per_s or trial.main_ms is None:
+        return None
+    batch = trial.samples_per_s / trial.batches_per_s
+    interval_ms = 1e3 / trial.batches_per_s
+    step_ms = trainer_ms_per_sample * batch + trial.main_ms
+    return batch * 1e3 / max(interval_ms, step_ms)
+
+
+def _overlap_note(best: SweepTrial, measured: list[SweepTrial]) -> list[str]:
+    """When num_workers=0 is the fastest loader alone, from which training step time a worker setting is faster:
+    num_workers=0 takes L0 ms of the step per batch, workers deliver one every Lw ms in parallel with it, so past
+    a step of Lw - L0 ms per batch (besides its data) the workers win."""
+    with_workers = [t for t in measured if t.settings.num_workers > 0 and t.batches_per_s and t.main_ms is not None]
+    if best.settings.num_workers > 0 or not with_workers or not best.batches_per_s or best.main_ms is None:
+        return []
+    fastest = max(with_workers, key=_rate)
+    if fastest.main_ms is None or fastest.main_ms >= best.main_ms:
+        return []
+    step_ms = max(1e3 / fastest.batches_per_s - 1e3 / best.batches_per_s, 0.0)
+    batch = best.samples_per_s / best.batches_per_s if best.samples_per_s else None
+    per_sample = f" ({step_ms / batch:.3f} ms per sample)" if batch else ""
+    return [
+        f"num_workers=0 is the fastest loader alone, but it loads in the training process, so each step also waits "
+        f"for its {best.main_ms:.2f} ms per batch; a training step that takes more than {step_ms:.2f} ms per "
+        f"batch{per_sample} besides its data is faster with {fastest.settings.snippet()}, whose loading overlaps "
+        "it: rerun with --against RUN.json (a `stepscope run` of the script) to rank the settings by your step"
+    ]
 
 
 def _expected_cost(trials: list[SweepTrial], batches: int) -> float:
@@ -589,6 +661,15 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def trainer_ms_per_sample(samples_per_s: float | None, data_wait_share: float) -> float | None:
+    """A training run's own time per sample besides waiting for data (ms): its time per sample (1000 /
+    ``samples_per_s``) less the ``data_wait_share`` (0..1) of the step spent waiting for the loader; None without a
+    rate."""
+    if not samples_per_s or samples_per_s <= 0:
+        return None
+    return 1e3 / samples_per_s * (1.0 - min(max(data_wait_share, 0.0), 1.0))
 
 
 def compare_with_training(ceiling_samples_per_s: float, train_samples_per_s: float) -> dict[str, Any]:
@@ -640,6 +721,7 @@ def run_loader_job(loader: Any, job: dict[str, Any], position: int) -> dict[str,
                 batches=job["sweep_batches"],
                 warmup=job["sweep_warmup"],
                 device=job.get("device"),
+                trainer_ms_per_sample=job.get("trainer_ms_per_sample"),
             )
         except Exception as error:
             found["sweep_error"] = f"{type(error).__name__}: {error}"
@@ -669,10 +751,15 @@ def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: 
     if "sweep" in first:
         sweep = first["sweep"]
         keys = ("settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error")
-        out["sweep"] = [{**{k: t[k] for k in keys}, "incomplete": t.get("incomplete")} for t in sweep["trials"]]
+        later = ("incomplete", "main_ms", "train_samples_per_s")  # absent from summaries of older versions
+        out["sweep"] = [{**{k: t[k] for k in keys}, **{k: t.get(k) for k in later}} for t in sweep["trials"]]
+        out["trainer_ms_per_sample"] = sweep.get("trainer_ms_per_sample")
         best = sweep["best"]
         if best is not None:
-            out["best"] = {"settings": best["settings"], "samples_per_s": best["samples_per_s"], "gain": sweep["gain"]}
+            out["best"] = {
+                "settings": best["settings"], "samples_per_s": best["samples_per_s"],
+                "train_samples_per_s": best.get("train_samples_per_s"), "gain": sweep["gain"],
+            }  # fmt: skip
         out["sweep_skipped"] = sweep["skipped"]
         out["sweep_notes"] = sweep["notes"]
     ceiling = out.get("cluster_sync_samples_per_s")

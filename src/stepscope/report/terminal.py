@@ -590,10 +590,12 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
         )
     if "sweep" not in result:
         return
+    trainer_ms = result.get("trainer_ms_per_sample")
     table = Table(box=_ASCII_HEAD if _plain(console) else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for header, justify in (
         ("setting", "left"),
         ("samples/s", "right"),
+        *((("training samples/s", "right"),) if trainer_ms is not None else ()),
         ("start-up s", "right"),
         ("peak RSS MB", "right"),
         ("workers CPU %", "right"),
@@ -605,21 +607,32 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
         note = trial["error"] or trial.get("incomplete") or ("" if trial["safe"] else "too much memory")
         if trial["settings"] == current:
             note = (note + " (current)").strip()
+        training = trial.get("train_samples_per_s")
         table.add_row(
             _settings_text(trial["settings"]),
             "-" if trial["samples_per_s"] is None else f"{trial['samples_per_s']:,.1f}",
+            *(("-" if training is None else f"{training:,.1f}",) if trainer_ms is not None else ()),
             "-" if trial["startup_s"] is None else f"{trial['startup_s']:.2f}",
             "-" if trial["peak_rss_mb"] is None else f"{trial['peak_rss_mb']:,.0f}",
             "-" if trial["workers_cpu_pct"] is None else f"{trial['workers_cpu_pct']:.0f}",
             escape(note),
         )
-    say("sweep (fastest first):")
+    if trainer_ms is not None:
+        say(
+            f"sweep (fastest training first: the run against spends {trainer_ms:.3f} ms per sample besides waiting "
+            "for data; with num_workers=0 the loading adds to that, workers overlap it):"
+        )
+    else:
+        say("sweep (fastest first):")
     console.print(table)
     best = result.get("best")
     if best:
         from stepscope.analyses.loader import LoaderSettings
 
-        gain = "" if best["gain"] is None else f" ({100 * best['gain']:+.0f}% over the current setting)"
+        rate = "training samples/s" if trainer_ms is not None else "samples/s"
+        gain = "" if best["gain"] is None else f" ({100 * best['gain']:+.0f}% {rate} over the current setting)"
+        if trainer_ms is not None:
+            gain += " — the fewest workers within 2% of the fastest: past them the step sets the pace"
         say(f"best: {LoaderSettings(**best['settings']).snippet()}{gain}")
     for skipped in result.get("sweep_skipped", []):
         say(f"not tried: {skipped}")
