@@ -12,6 +12,7 @@ import pytest
 from run_helpers import script, stepscope_run
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, Comparison, Settings
+from stepscope.instrument.apply import parse_fixes
 from stepscope.instrument.launch import script_target
 from stepscope.instrument.verify import apply_argument, largest_speedup, plan, rerank, verify
 from stepscope.summary import Fix, RunSummary
@@ -151,5 +152,6 @@ def test_a_worker_fix_is_measured_after_its_prefetched_batches_are_drained():
     from stepscope.instrument.verify import _queue_steps
 
     chosen = plan([fix("loader.num_workers", apply="loader.num_workers=8"), fix("debug.anomaly")], 2, False)
-    assert _queue_steps(chosen) == 18  # 8 workers x 2 batches ahead, and 2 more
-    assert _queue_steps(plan([fix("debug.anomaly")], 1, False)) == 0
+    applied = parse_fixes([arg for _, arg in chosen.chosen])
+    assert _queue_steps(applied) == 18  # 8 workers x 2 batches ahead, and 2 more
+    assert _queue_steps(parse_fixes(["debug.anomaly=off"])) == 0

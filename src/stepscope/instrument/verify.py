@@ -61,10 +61,11 @@ def plan(fixes: list[Fix], top: int, allow_numerics: bool) -> VerifyPlan:
     return chosen
 
 
-def _queue_steps(chosen: VerifyPlan) -> int:
+def _queue_steps(applied: list[dict[str, object]]) -> int:
     """Warm-up steps that drain the batches more loader workers fetch ahead (workers x prefetch_factor, torch's
-    default 2) before measuring: counted, they would make a worker fix look faster than its workers can be."""
-    workers = [int(arg.split("=")[1]) for _, arg in chosen.chosen if arg.startswith("loader.num_workers=")]
+    default 2) before measuring: counted, they would make a worker fix look faster than its workers can be.
+    ``applied``: the variants' parsed ``--apply`` fixes ({id, value})."""
+    workers = [int(str(f["value"])) for f in applied if f["id"] == "loader.num_workers"]
     return max((2 * n + 2 for n in workers), default=0)
 
 
@@ -138,10 +139,11 @@ def verify(
     if not chosen.chosen:
         summary.notes.append("--verify: none of the ranked fixes can be applied at runtime; nothing was measured.")
         return None
-    settings = dataclasses.replace(settings, warmup=max(settings.warmup, _queue_steps(chosen)))
     command = " ".join(target.argv)
     variants = [Variant(BASELINE, command, {}, target)]
     variants += [Variant(fix.id, command, {}, target, parse_fixes([arg])) for fix, arg in chosen.chosen]
+    applied = [f for variant in variants for f in variant.apply]
+    settings = dataclasses.replace(settings, warmup=max(settings.warmup, _queue_steps(applied)))
     log(
         f"stepscope doctor --verify: {len(variants)} variants ({', '.join(v.name for v in variants)}) x "
         f"{settings.repeats} interleaved runs of {settings.steps} steps"
