@@ -8,7 +8,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from stepscope.summary import RunSummary
 
@@ -47,16 +46,6 @@ def stepscope_cmd(
     if json_path is not None:
         cmd += ["--json", str(json_path)]
     return [*cmd, *args]
-
-
-MATERIAL = 0.05  # of the step: a fix bounded below this is ranked by its cost, yet is noise on a loaded machine
-
-
-def first_material_fix(fixes: list) -> Any:
-    """The first ranked fix that can matter: unbounded, or bounded at MATERIAL of the step or more. (A config fix
-    bounded at 3% ranks before a code fix bounded at 90%, cheapest first; on a loaded machine such small shares
-    come and go, so the tests name the first fix that can matter.)"""
-    return next((f for f in fixes if f.gain_bound is None or f.gain_bound >= MATERIAL), None)
 
 
 def script(name: str) -> str:

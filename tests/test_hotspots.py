@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import first_material_fix, script, stepscope_run
+from run_helpers import script, stepscope_run
 
 from stepscope import Scope
 from stepscope.collectors.stacks import CodeKinds, StackSampler, frame_site, hotspots
@@ -186,7 +186,7 @@ def test_doctor_names_torch_save_at_its_line(tmp_path):
     assert s.verdict.bound == "host", r.describe()
     top = s.hotspots["phases"]["other"][0]
     assert (top["calls"], top["code"]) == ("torch.serialization.save", "torch.save(state, path)"), s.hotspots
-    first = first_material_fix(s.fixes)
+    first = next(iter(s.fixes), None)
     assert first is not None and first.id == "host.checkpoint_every_step", r.describe()
     assert "[torch.serialization.save]" in first.evidence[0]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from run_helpers import RunResult, first_material_fix, script, stepscope_run, torchrun
+from run_helpers import RunResult, script, stepscope_run, torchrun
 
 from stepscope.doctor.verdict import OVERSUBSCRIBED
 
@@ -78,7 +78,7 @@ def test_doctor_names_the_bound_and_the_first_fix(tmp_path, name):
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert s.verdict.bound == scenario.bound, (s.verdict, r.describe())
-    first = first_material_fix(s.fixes)
+    first = next(iter(s.fixes), None)
     assert first is not None and first.id == scenario.first_fix, ([f.id for f in s.fixes], r.describe())
     assert not {f.id for f in s.fixes} & set(scenario.never), ([f.id for f in s.fixes], r.describe())
 
@@ -91,7 +91,7 @@ def test_beside_a_cpu_burner_the_doctor_is_right_or_says_the_machine_is_busy(tmp
     s = r.summary
     assert not {f.id for f in s.fixes} & set(scenario.never), ([f.id for f in s.fixes], r.describe())
     if s.verdict.bound == scenario.bound:
-        first = first_material_fix(s.fixes)
+        first = next(iter(s.fixes), None)
         assert first is not None and first.id == scenario.first_fix, ([f.id for f in s.fixes], r.describe())
     else:
         assert contention_stated(r), (s.verdict, r.describe())

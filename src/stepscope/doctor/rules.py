@@ -150,6 +150,9 @@ CATALOGUE: list[Rule] = []
 # workers for the cores inflate every CPU phase and slow the loader): ranked first within their cost, whatever their
 # bound, since the other bounds mean little until it is gone.
 FIRST = {"host.threads"}
+# A fix bounded below this share of the step ranks after every fix that can save more, whatever its cost: a config
+# knob that can save 3% is not the first thing to try beside a code change that can save 60%.
+MATERIAL_GAIN = 0.05
 
 
 def rule(
@@ -1124,8 +1127,9 @@ def _slow_start(summary: RunSummary) -> bool:
 
 
 def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
-    """Every fix whose rule applies, ranked: cheapest cost first; within a cost, fixes whose problem distorts the
-    other measurements (``FIRST``), then the largest gain bound (unbounded last).
+    """Every fix whose rule applies, ranked: fixes bounded below ``MATERIAL_GAIN`` of the step last; then cheapest
+    cost first; within a cost, fixes whose problem distorts the other measurements (``FIRST``, never demoted), then
+    the largest gain bound (unbounded last).
     Returns the fixes and a note for each rule that failed on unexpected facts (the others still run). For a
     multi-rank job whose ranks wait for one straggler, the fixes and their bounds are the job's (``job_fixes``)."""
     fixes, notes = findings(case)
@@ -1133,8 +1137,13 @@ def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
     if straggler is not None:
         fixes, more = job_fixes(case, straggler, fixes)
         notes += more
-    fixes.sort(key=lambda f: (COSTS.index(f.cost), f.id not in FIRST, f.gain_bound is None, -(f.gain_bound or 0.0)))
+    fixes.sort(key=_rank_key)
     return fixes, notes
+
+
+def _rank_key(fix: Fix) -> tuple[bool, int, bool, bool, float]:
+    minor = fix.id not in FIRST and fix.gain_bound is not None and fix.gain_bound < MATERIAL_GAIN
+    return minor, COSTS.index(fix.cost), fix.id not in FIRST, fix.gain_bound is None, -(fix.gain_bound or 0.0)
 
 
 def _saved_ms(fix: Fix, summary: RunSummary) -> float | None:
