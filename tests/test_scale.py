@@ -487,7 +487,19 @@ def test_cli_errors_are_one_sentence_and_exit_2(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["scale", *paths, "--html", str(tmp_path / "file" / "scale.html")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"stepscope: cannot write {tmp_path / 'file'}: File exists."]
+    assert err == [
+        f"stepscope: --html {tmp_path / 'file' / 'scale.html'}: cannot write the scaling report: {tmp_path / 'file'} "
+        "is a file, not a folder."
+    ], "checked before any summary is read"
+
+
+def test_an_output_that_fails_to_write_leaves_the_other_written(tmp_path, capsys):
+    paths = write_runs(tmp_path / "ok", worlds=(1, 2), repeats=(1.0,))
+    page = tmp_path / "scale.html"
+    assert main(["scale", *paths, "--json", "/dev/full", "--html", str(page)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["stepscope: --json /dev/full: could not write the scaling table (No space left on device)."]
+    assert "<html" in page.read_text()
 
 
 def test_real_runs_one_and_two_ranks(tmp_path):

@@ -623,6 +623,7 @@ def _scale(args: argparse.Namespace) -> int:
     from stepscope.analyses.scale import ScaleError, analyze_scale
     from stepscope.report.scale import print_scale, read_runs
 
+    _check_outputs(args, json="scaling table", html="scaling report")
     try:
         runs, skipped = read_runs(args.paths, args.by)
         report = analyze_scale(runs, by=args.by, skipped=skipped)
@@ -631,17 +632,14 @@ def _scale(args: argparse.Namespace) -> int:
             print(f"stepscope: skipped: {skip.reason}", file=sys.stderr)
         raise UsageError(f"{error}.") from None
     print_scale(report)
-    try:
-        if args.json:
-            _write_json(args.json, report.to_dict(), "scaling table")
-        if args.html:
-            from stepscope.report.scale_html import write_scale_html
+    written = True
+    if args.json:
+        written &= _write_json(args.json, report.to_dict(), "scaling table")
+    if args.html:
+        from stepscope.report.scale_html import write_scale_html
 
-            write_scale_html(report, args.html)
-            print(f"scaling report written to {args.html}")
-    except OSError as error:
-        raise UsageError(f"cannot write {error.filename}: {error.strerror}.") from None
-    return 0
+        written &= _save("--html", args.html, "scaling report", lambda path: write_scale_html(report, path))
+    return 0 if written else 1
 
 
 AB_USAGE = (
