@@ -15,9 +15,14 @@ For each workload — a CPU-bound dataset (every sample busy-waits --sample-ms, 
 The figure of merit is pick_rate / best_rate: the exhaustive median rate of the setting the sweep picked over the
 best exhaustive median rate of all settings measured (1.0 = the sweep found the best setting, or one as fast).
 
+With --trainer-ms T the ground truth is training, not the loader alone: the exhaustive measurement consumes each
+batch with a T ms busy-wait in the main process (a CPU-bound training step, competing with the workers for the
+cores), and the sweep is told the step (``trainer_ms_per_sample`` = T / batch size, as `stepscope dataloader
+--against RUN.json` tells it) and ranks by the rate that step would reach.
+
     python bench/loader_sweep.py [--workloads cpu,io] [--sample-ms 1] [--batch-size 16] [--samples 20000]
                                  [--budget-s 120] [--sweeps 3] [--batches 300] [--warmup 20] [--repeats 3]
-                                 [--beyond 4,8] [--json out.json]
+                                 [--beyond 4,8] [--trainer-ms 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -75,6 +80,34 @@ class SleepyDataset(BusyDataset):
 WORKLOADS = {"cpu": BusyDataset, "io": SleepyDataset}
 
 
+def busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def training_rate(loader: Any, batches: int, warmup: int, trainer_ms: float) -> float:
+    """Samples/s of a loop that spends ``trainer_ms`` of CPU on each batch in this process (the training step's
+    stand-in), over ``batches`` batches after ``warmup``; new epochs start when the data runs out."""
+    iterator = iter(loader)
+    seen, samples, started = 0, 0, 0.0
+    while seen < warmup + batches:
+        try:
+            x, _ = next(iterator)
+        except StopIteration:
+            iterator = iter(loader)
+            continue
+        if seen == warmup:
+            started = time.perf_counter()
+        if seen >= warmup:
+            samples += len(x)
+        busy_wait(trainer_ms / 1e3)
+        seen += 1
+    elapsed = time.perf_counter() - started
+    del iterator
+    return samples / elapsed
+
+
 def label(settings: LoaderSettings) -> str:
     if settings.num_workers == 0:
         return f"workers=0{' pin' if settings.pin_memory else ''}"
@@ -89,14 +122,16 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
     dataset = WORKLOADS[name](args.samples, args.sample_ms)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
     true_rate = 1e3 / args.sample_ms  # samples/s of one process doing the work and nothing else
-    print(f"\n== {name}: {type(dataset).__name__}, {args.sample_ms:g} ms/sample, batch {args.batch_size} "
+    step = f", a training step of {args.trainer_ms:g} ms per batch" if args.trainer_ms else ""
+    print(f"\n== {name}: {type(dataset).__name__}, {args.sample_ms:g} ms/sample, batch {args.batch_size}{step} "
           f"(one process: at most {true_rate:,.0f} samples/s) ==", flush=True)  # fmt: skip
 
     sweeps = []
     sweep_runs: list[SweepResult] = []
     for i in range(args.sweeps):
         started = time.perf_counter()
-        sweep = sweep_loader(loader, budget_s=args.budget_s, cores=cores)
+        trainer = args.trainer_ms / args.batch_size if args.trainer_ms else None
+        sweep = sweep_loader(loader, budget_s=args.budget_s, cores=cores, trainer_ms_per_sample=trainer)
         wall = time.perf_counter() - started
         sweep_runs.append(sweep)
         pick = sweep.best.settings if sweep.best is not None else None
@@ -105,7 +140,9 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
                 "wall_s": wall,
                 "pick": None if pick is None else label(pick),
                 "pick_key": None if pick is None else key(pick),
-                "pick_sweep_rate": None if sweep.best is None else sweep.best.samples_per_s,
+                "pick_sweep_rate": None
+                if sweep.best is None
+                else (sweep.best.train_samples_per_s if trainer else sweep.best.samples_per_s),
                 "gain": sweep.gain,
                 "trials": {label(t.settings): t.samples_per_s for t in sweep.trials},
                 "skipped": len(sweep.skipped),
@@ -135,8 +172,12 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
     started = time.perf_counter()
     for _ in range(args.repeats):
         for settings in settings_all:
-            result = measure_loader(rebuild_loader(loader, settings), batches=args.batches, warmup=args.warmup)
-            rates[key(settings)].append(result.samples_per_s or 0.0)
+            rebuilt = rebuild_loader(loader, settings)
+            if args.trainer_ms:
+                rate = training_rate(rebuilt, args.batches, args.warmup, args.trainer_ms)
+            else:
+                rate = measure_loader(rebuilt, batches=args.batches, warmup=args.warmup).samples_per_s or 0.0
+            rates[key(settings)].append(rate)
     exhaustive_wall = time.perf_counter() - started
     medians = {k: statistics.median(v) for k, v in rates.items()}
     best_key = max(medians, key=lambda k: medians[k])
@@ -162,6 +203,7 @@ def bench_workload(name: str, args: argparse.Namespace, cores: int) -> dict[str,
         "dataset": type(dataset).__name__,
         "sample_ms": args.sample_ms,
         "batch_size": args.batch_size,
+        "trainer_ms": args.trainer_ms,
         "sweeps": [{k: v for k, v in s.items() if k != "pick_key"} for s in sweeps],
         "exhaustive": {names[k]: {"median": medians[k], "runs": rates[k]} for k in medians},
         "exhaustive_wall_s": exhaustive_wall,
@@ -185,6 +227,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="exhaustive: measurements per setting")
     parser.add_argument(
         "--beyond", default="4,8", help="exhaustive: also these worker counts (prefetch 2); '' for none"
+    )
+    parser.add_argument(
+        "--trainer-ms", type=float, default=0.0, help="a CPU-bound training step of this many ms per batch (0: none)"
     )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
