@@ -1053,3 +1053,20 @@ def test_a_sweep_that_knows_the_step_ranks_by_the_training_rate():
     # past one worker the step sets the pace: the fewest workers within 2% of the fastest training rate is named
     pace = [t for t in sweep.trials if t.train_samples_per_s and t.train_samples_per_s >= 0.98 * ranked[0]]
     assert sweep.best.settings.num_workers == min(t.settings.num_workers for t in pace), sweep
+
+
+def test_the_trainer_time_of_a_run_is_per_rank_and_leaves_out_its_data_wait():
+    from stepscope.summary import PhaseStats, RunSummary, Throughput
+
+    def run(rate: float, data_share: float | None) -> RunSummary:
+        phases = {} if data_share is None else {"data_wait": PhaseStats(1.0, 1.0, 1.0, data_share, 10)}
+        return RunSummary(throughput=Throughput(samples_per_s=rate), phases=phases)
+
+    # one process: 100 samples/s = 10 ms a sample, half of it waiting for data
+    assert loader_mod.trainer_ms_per_sample(run(100.0, 0.5)) == pytest.approx(5.0)
+    assert loader_mod.trainer_ms_per_sample(run(100.0, None)) == pytest.approx(10.0), "no loader wait measured"
+    # a merged 2-rank job: the top-level rate is the cluster's (200), each rank trains 100 samples/s of its own
+    job = run(200.0, 0.25)
+    job.ranks = [run(100.0, 0.5), run(100.0, 0.3)]
+    assert loader_mod.trainer_ms_per_sample(job) == pytest.approx((5.0 + 7.0) / 2)
+    assert loader_mod.trainer_ms_per_sample(RunSummary()) is None

@@ -427,7 +427,6 @@ def _dataloader(args: argparse.Namespace) -> int:
     from stepscope.analyses.loader import combine_ranks, trainer_ms_per_sample
     from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
-    from stepscope.record import DATA_PHASE
     from stepscope.report.terminal import print_loader
 
     target = _target(args.command, LOADER_USAGE)
@@ -437,8 +436,7 @@ def _dataloader(args: argparse.Namespace) -> int:
         train_rate = against.throughput.samples_per_s
         if train_rate is None:
             raise UsageError(f"{args.against} has no samples/s (no batch size was known): nothing to compare with.")
-        waiting = against.phases.get(DATA_PHASE)
-        trainer_ms = trainer_ms_per_sample(train_rate, waiting.share if waiting is not None else 0.0)
+        trainer_ms = trainer_ms_per_sample(against)
     device = None if args.device == "cpu" else args.device
     if device is not None:
         import torch

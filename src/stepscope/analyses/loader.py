@@ -24,9 +24,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stepscope.clock import HOST_ONLY, CudaEvents, DeviceTimer, EventSource, HostOnly, now_ns
+
+if TYPE_CHECKING:
+    from stepscope.summary import RunSummary
 
 # A fetch-time distribution is bimodal (most batches wait for nothing, some block on a worker) when the median is
 # below BIMODAL_MEDIAN of the mean and the p95 above BIMODAL_P95 times the median (and above 0.05 ms).
@@ -663,13 +666,21 @@ def _cuda_available() -> bool:
         return False
 
 
-def trainer_ms_per_sample(samples_per_s: float | None, data_wait_share: float) -> float | None:
-    """A training run's own time per sample besides waiting for data (ms): its time per sample (1000 /
-    ``samples_per_s``) less the ``data_wait_share`` (0..1) of the step spent waiting for the loader; None without a
-    rate."""
-    if not samples_per_s or samples_per_s <= 0:
-        return None
-    return 1e3 / samples_per_s * (1.0 - min(max(data_wait_share, 0.0), 1.0))
+def trainer_ms_per_sample(run: RunSummary) -> float | None:
+    """A training run's own time per sample on one rank besides waiting for data (ms): per rank, its time per
+    sample (1000 / its samples/s) less the share of its step spent waiting for the loader; the median over the
+    ranks of a merged summary (whose top-level rate is the cluster's). None when no rank knows its rate."""
+    from stepscope.record import DATA_PHASE
+
+    found = []
+    for rank in run.ranks or [run]:
+        rate = rank.throughput.samples_per_s
+        if not rate or rate <= 0:
+            continue
+        waiting = rank.phases.get(DATA_PHASE)
+        share = min(max(waiting.share, 0.0), 1.0) if waiting is not None else 0.0
+        found.append(1e3 / rate * (1.0 - share))
+    return statistics.median(found) if found else None
 
 
 def compare_with_training(ceiling_samples_per_s: float, train_samples_per_s: float) -> dict[str, Any]:
