@@ -1070,3 +1070,16 @@ def test_the_trainer_time_of_a_run_is_per_rank_and_leaves_out_its_data_wait():
     job.ranks = [run(100.0, 0.5), run(100.0, 0.3)]
     assert loader_mod.trainer_ms_per_sample(job) == pytest.approx((5.0 + 7.0) / 2)
     assert loader_mod.trainer_ms_per_sample(RunSummary()) is None
+
+
+def test_how_busy_the_fetch_keeps_the_training_process():
+    # A sleeping fetch leaves the thread idle; a computing one keeps it on a CPU or waiting for one, however busy
+    # the machine (run-queue time counts as busy).
+    from stepscope.collectors.host import thread_busy_ns
+
+    if thread_busy_ns() is None:
+        pytest.skip("the kernel reports no /proc/thread-self/schedstat")
+    sleeping = measure_loader(DataLoader(SleepyBatches(40, 10.0), batch_size=None), batches=20, warmup=2)
+    assert sleeping.busy_pct is not None and sleeping.busy_pct < 30, sleeping.busy_pct
+    computing = measure_loader(DataLoader(BusyDataset(400, 1.0), batch_size=8), batches=20, warmup=2)
+    assert computing.busy_pct is not None and computing.busy_pct > 80, computing.busy_pct

@@ -1219,6 +1219,29 @@ def test_num_workers_hint_respects_the_cgroup_quota():
     assert "loader.too_many_workers" not in fired(Case(after))
 
 
+def test_a_fetch_measured_waiting_gets_the_workers_that_overlap_its_waits():
+    # The doctor's loader ceiling (the loader alone, num_workers=0) kept the training process busy 12% of the time:
+    # the fetch waits (storage, a sleep), so workers past the 2 cores overlap the 60 ms of waiting with the 40 ms
+    # rest of the step: ceil(60 / 40) = 2 of them; no host samples (a short run) needed.
+    facts = {"threads": threads_fact(cores=2)}
+    summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=0)], facts=facts)
+    ceiling = {"settings": {"num_workers": 0, "prefetch_factor": None}, "busy_pct": 12.0}
+    summary.dataloader = {"loader": ceiling}
+    fix = fired(Case(summary))["loader.num_workers"]
+    assert fix.how == (
+        "DataLoader(..., num_workers=2, persistent_workers=True) (the fetch mostly waits, measured alone it kept "
+        "the training process busy 12% of the time: 2 workers overlap 60.0 ms of fetching with the rest of the "
+        "step, using no core)"
+    )
+    assert fix.apply == "loader.num_workers=2"
+    # computing, even on a machine so busy that it waited for a CPU half of the time: the cores bound the workers
+    summary.dataloader = {"loader": {**ceiling, "busy_pct": 97.0}}
+    assert fired(Case(summary))["loader.num_workers"].apply == "loader.num_workers=1"
+    # measured with workers already: their hand-over says nothing about the fetch
+    summary.dataloader = {"loader": {**ceiling, "settings": {"num_workers": 2}}}
+    assert fired(Case(summary))["loader.num_workers"].apply == "loader.num_workers=1"
+
+
 def test_persistent_workers_share_counts_only_restarts():
     fix = fired(restarted_workers())["loader.persistent_workers"]
     assert fix.evidence == [

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stepscope.clock import HOST_ONLY, CudaEvents, DeviceTimer, EventSource, HostOnly, now_ns
+from stepscope.collectors.host import thread_busy_ns
 
 if TYPE_CHECKING:
     from stepscope.summary import RunSummary
@@ -96,6 +97,10 @@ class LoaderResult:
     # the calling process's own time per measured batch (ms): with num_workers=0 the whole fetch (it loads the batch
     # itself); with workers its CPU time (receiving, unpickling, pinning), what a training step still pays for them
     main_ms: float | None = None
+    # share of the measured window the calling thread was on a CPU or waiting for one (%): with num_workers=0 near
+    # 100 when fetching computes, even on a busy machine, low when it waits (storage, network, a sleep); None where
+    # the kernel does not report it (no /proc/thread-self/schedstat)
+    busy_pct: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -226,7 +231,7 @@ def measure_loader(
         timer = DeviceTimer(events if events is not None else _cuda_events(device))
     non_blocking = settings is not None and settings.pin_memory
     t_iter = clock()
-    cpu_start = 0.0
+    cpu_start, busy_start, wall_start = 0.0, None, 0
     iterator: Iterator[Any] = iter(loader)
     fetch_ns: list[int] = []
     samples: list[int | None] = []
@@ -238,7 +243,7 @@ def measure_loader(
     epochs = 1
     while len(fetch_ns) < batches:
         if seen == warmup:
-            cpu_start = time.process_time()
+            cpu_start, busy_start, wall_start = time.process_time(), thread_busy_ns(), time.perf_counter_ns()
         t0 = clock()
         try:
             batch = next(iterator)
@@ -271,6 +276,7 @@ def measure_loader(
             break
     measured_end = clock()
     cpu_s = time.process_time() - cpu_start
+    busy_end, wall_ns = thread_busy_ns(), time.perf_counter_ns() - wall_start
     del iterator  # shuts the workers down (unless persistent)
     notes = []
     if not fetch_ns:
@@ -307,6 +313,9 @@ def measure_loader(
         notes=notes,
         epochs=epochs,
         main_ms=statistics.fmean(fetch_ms) if in_process else 1e3 * max(cpu_s, 0.0) / len(fetch_ns),
+        busy_pct=None
+        if busy_start is None or busy_end is None or wall_ns <= 0
+        else min(100.0, 100 * (busy_end - busy_start) / wall_ns),
     )
 
 

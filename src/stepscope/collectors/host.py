@@ -311,6 +311,18 @@ def parse_proc_stat(text: str) -> list[CoreTimes]:
     return cores
 
 
+def thread_busy_ns() -> int | None:
+    """The calling thread's time on a CPU plus its time runnable but waiting for one (ns), from
+    ``/proc/thread-self/schedstat``; None where the kernel does not report it. Over an interval, busy time that
+    nearly fills it means the thread computed (however busy the machine), little means it waited (I/O, a sleep)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) + int(waiting)
+    except (OSError, ValueError):
+        return None
+
+
 def parse_schedstat(text: str) -> int:
     """Run-queue delay (ns) from a schedstat line: ``<ns on a CPU> <ns runnable but waiting> <timeslices>``."""
     return int(text.split()[1])

@@ -210,11 +210,15 @@ def _loader_workers(case: Case) -> Finding | None:
         rate = f"{best['samples_per_s']:,.0f} samples/s{gain}"
         hint = f"{LoaderSettings(**swept).snippet()} (the loader sweep's best: {rate})"
         workers = swept["num_workers"]
-    elif case.signals().get("io_bound"):  # the fetch waits rather than computes: workers overlap the waits
+    elif case.signals().get("io_bound") or _fetch_busy_pct(case) is not None:
+        # the fetch waits rather than computes: workers overlap the waits
         workers = waiting_workers(case.ms("data_wait"), case.ms(TOTAL) - case.ms("data_wait"))
+        busy = _fetch_busy_pct(case)
+        measured = "" if busy is None else f", measured alone it kept the training process busy {busy:.0f}% of the time"
         hint = (
-            f"DataLoader(..., num_workers={workers}, persistent_workers=True) (the fetch mostly waits: {workers} "
-            f"workers overlap {case.ms('data_wait'):.1f} ms of fetching with the rest of the step, using no core)"
+            f"DataLoader(..., num_workers={workers}, persistent_workers=True) (the fetch mostly waits{measured}: "
+            f"{workers} workers overlap {case.ms('data_wait'):.1f} ms of fetching with the rest of the step, using "
+            "no core)"
         )
     elif cores:
         workers = worker_cap(cores, local)
@@ -230,6 +234,19 @@ def _loader_workers(case: Case) -> Finding | None:
     ]
     apply = None if workers is None else f"loader.num_workers={workers}"
     return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
+
+
+def _fetch_busy_pct(case: Case) -> float | None:
+    """How busy the training process was while it fetched batches alone (the doctor's loader ceiling, %), when the
+    loader has no workers and that is under ``WAITING_WORKERS_CPU`` of a core: the fetch mostly waits (storage,
+    network, a sleep) rather than computes. None otherwise, or when not measured. Unlike the host samples behind
+    the ``io_bound`` signal this needs no run of several seconds, and waiting for a CPU counts as busy, so a
+    computing loader on a busy machine is not mistaken for a waiting one."""
+    measured = case.summary.dataloader.get("loader") or {}
+    busy, settings = measured.get("busy_pct"), measured.get("settings") or {}
+    if busy is None or settings.get("num_workers") != 0 or busy >= 100 * WAITING_WORKERS_CPU:
+        return None
+    return float(busy)
 
 
 @rule(
