@@ -1083,3 +1083,5 @@ def test_how_busy_the_fetch_keeps_the_training_process():
     assert sleeping.busy_pct is not None and sleeping.busy_pct < 30, sleeping.busy_pct
     computing = measure_loader(DataLoader(BusyDataset(400, 1.0), batch_size=8), batches=20, warmup=2)
     assert computing.busy_pct is not None and computing.busy_pct > 80, computing.busy_pct
+    assert "so it mostly waits (storage, network, a sleep)" in sleeping.meaning, sleeping.meaning
+    assert "so it computes: workers help up to the cores" in computing.meaning, computing.meaning

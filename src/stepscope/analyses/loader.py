@@ -114,7 +114,18 @@ class LoaderResult:
                 "worker; more workers or a deeper prefetch_factor smooth it"
             )
         if self.settings is not None and self.settings.num_workers == 0:
-            return "every batch is built in the calling process: the fetch time is the full cost of a batch"
+            meaning = "every batch is built in the calling process: the fetch time is the full cost of a batch"
+            if self.busy_pct is None:
+                return meaning
+            if self.busy_pct < 100 * WAITING_WORKERS_CPU:
+                return (
+                    f"{meaning}; it kept the process busy {self.busy_pct:.0f}% of the time, so it mostly waits "
+                    "(storage, network, a sleep): workers past the cores overlap the waits"
+                )
+            return (
+                f"{meaning}; it kept the process busy {self.busy_pct:.0f}% of the time (on a CPU or waiting for one), "
+                "so it computes: workers help up to the cores that can be spared"
+            )
         return "steady fetch times: the workers keep up evenly, or are uniformly too slow"
 
 
