@@ -42,6 +42,25 @@ def test_slow_loader_is_data_bound_and_workers_come_first(tmp_path):
     assert "verdict: data" in r.stdout and "1. Load batches in worker processes" in r.stdout, r.stdout
 
 
+def test_doctor_sweep_ranks_the_loader_settings_by_the_runs_own_step(tmp_path):
+    # The loader sleeps 3 ms per sample (a read): after the measured steps the doctor sweeps its settings, ranked by
+    # the rate this run's step would reach with each, and advises the sweep's best (what --verify would measure).
+    r = doctor(tmp_path, "--sweep", "--sweep-budget-s", "40", script("slow_loader.py"), "--sample-ms", "3", timeout=240)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    loader = s.dataloader
+    assert 0 < loader["trainer_ms_per_sample"] < 0.5 * s.phases["total"].mean_ms / s.batch_per_rank, loader
+    none = next(row for row in loader["sweep"] if row["settings"]["num_workers"] == 0)
+    assert none["train_samples_per_s"] < none["samples_per_s"], "without workers the step adds to the load"
+    best = loader["best"]
+    assert best["settings"]["num_workers"] >= 2 and best["gain"] > 1.0, loader  # sleeping workers overlap the waits
+    fix = next(f for f in s.fixes if f.id == "loader.num_workers")
+    assert fix.apply == f"loader.num_workers={best['settings']['num_workers']}", (fix.apply, best)
+    assert "(the loader sweep's best: " in fix.how and "samples/s of this run's step" in fix.how, fix.how
+    # the run's own figures are its steps': the sweep's worker processes are not among them
+    assert s.system["host"]["workers_max"] == 0, s.system["host"]
+
+
 def test_optimizer_bound_model_gets_the_fused_kernel_first(tmp_path):
     r = doctor(tmp_path, script("doctor_optimizer.py"))
     assert r.returncode == 0, r.describe()

@@ -1242,6 +1242,26 @@ def test_a_fetch_measured_waiting_gets_the_workers_that_overlap_its_waits():
     assert fired(Case(summary))["loader.num_workers"].apply == "loader.num_workers=1"
 
 
+def test_num_workers_follows_the_sweep_unless_it_was_cut_short():
+    facts = {"threads": threads_fact(cores=2)}
+    summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=0)], facts=facts)
+    w2 = {"num_workers": 2, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
+    none = {"num_workers": 0, "prefetch_factor": None, "pin_memory": False, "persistent_workers": False}
+    # ranked by this run's step (doctor --sweep, dataloader --against): the training rate is the one cited
+    summary.dataloader = {"best": {"settings": w2, "samples_per_s": 900.0, "train_samples_per_s": 450.0, "gain": 0.5}}
+    fix = fired(Case(summary))["loader.num_workers"]
+    assert fix.apply == "loader.num_workers=2"
+    assert fix.how.endswith(
+        "(the loader sweep's best: 450 samples/s of this run's step, +50% over the current setting)"
+    )
+    # a complete sweep in which no worker count beat none: no advice
+    summary.dataloader = {"best": {"settings": none, "samples_per_s": 300.0, "gain": 0.0}, "sweep_skipped": []}
+    assert "loader.num_workers" not in fired(Case(summary))
+    # cut short by its budget before more workers were tried: the advice falls back to the cores
+    summary.dataloader["sweep_skipped"] = ["DataLoader(..., num_workers=2, ...): the 15 s budget ran out"]
+    assert fired(Case(summary))["loader.num_workers"].apply == "loader.num_workers=1"
+
+
 def test_persistent_workers_share_counts_only_restarts():
     fix = fired(restarted_workers())["loader.persistent_workers"]
     assert fix.evidence == [

@@ -56,6 +56,7 @@ _VALUED = {
     "--out-wait-s",
     "--verify-repeats",
     "--verify-budget-s",
+    "--sweep-budget-s",
 }
 # Options whose value may be left out: the next word is theirs only when it is a number (``--verify 2 train.py``).
 _OPTIONAL_VALUE = {"--verify"}
@@ -392,6 +393,7 @@ def _doctor(args: argparse.Namespace) -> int:
         params_steps=max(1, min(3, args.warmup)),
         audit_continue=True,
         ceiling_batches=args.ceiling_batches or None,
+        ceiling_sweep_s=args.sweep_budget_s if args.sweep else None,
     )
     _check_outputs(args, json="summary", html="report")
     started = time.time()
@@ -753,6 +755,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         help="after the measured steps, iterate the loader alone this many batches (at most 20 s) for its "
         "ceiling; 0 skips it (default 100)",
+    )
+    doctor.add_argument(
+        "--sweep",
+        action="store_true",
+        help="after the loader's ceiling, sweep its settings (as `stepscope dataloader --sweep`), ranked by the rate "
+        "the measured steps would reach with each; loader.num_workers then advises the sweep's best, which --verify "
+        "measures",
+    )
+    doctor.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=60.0,
+        help="seconds the sweep may take (default 60)",
     )
     doctor.add_argument(
         "--verify",

@@ -202,12 +202,17 @@ def _loader_workers(case: Case) -> Finding | None:
         return None  # another loader's workers already fill the cores: more workers would only time-share them
     hint, workers = None, None
     swept = (case.summary.dataloader.get("best") or {}).get("settings")
+    if swept is not None and swept["num_workers"] == 0 and case.summary.dataloader.get("sweep_skipped"):
+        swept = None  # cut short by its budget before more workers were tried: no verdict on them
     if swept is not None:  # the sweep measured the worker counts on this machine: its best is the advice
         if swept["num_workers"] == 0:
             return None  # no worker count was measured faster than none
         best = case.summary.dataloader["best"]
         gain = "" if best.get("gain") is None else f", {100 * best['gain']:+.0f}% over the current setting"
-        rate = f"{best['samples_per_s']:,.0f} samples/s{gain}"
+        if best.get("train_samples_per_s") is not None:  # ranked by the run's own step
+            rate = f"{best['train_samples_per_s']:,.0f} samples/s of this run's step{gain}"
+        else:
+            rate = f"{best['samples_per_s']:,.0f} samples/s{gain}"
         hint = f"{LoaderSettings(**swept).snippet()} (the loader sweep's best: {rate})"
         workers = swept["num_workers"]
     elif case.signals().get("io_bound") or _fetch_busy_pct(case) is not None:

@@ -82,6 +82,9 @@ class RunConfig:
     loader_job: dict[str, Any] | None = None
     ceiling_batches: int | None = None  # `stepscope doctor`: after the measured steps, the loader alone this long
     ceiling_time_s: float = 20.0
+    # `stepscope doctor --sweep`: after the ceiling, sweep that loader's settings within this many seconds, ranked by
+    # the rate the measured steps would reach with each; None: no sweep
+    ceiling_sweep_s: float | None = None
     # `--trace DIR`: a torch.profiler window {dir, wait, warmup, active, repeat, record_shapes, with_stack}
     profile: dict[str, Any] | None = None
     nvtx: bool = False  # phases as NVTX ranges
@@ -550,10 +553,23 @@ class Tracker:
             return
         from stepscope.analyses.loader import run_loader_job
 
+        # the run's system figures (host CPU, loader workers seen, hotspots) are its steps', not the loader's alone
+        self.scope.close()
         warmup = max(1, batches // 10)
         if state.info.length:  # short epochs: keep most of one epoch for measuring
             warmup = min(warmup, max(1, state.info.length // 5))
-        job = {"batches": batches, "warmup": warmup, "time_limit_s": self.config.ceiling_time_s}
+        job: dict[str, Any] = {"batches": batches, "warmup": warmup, "time_limit_s": self.config.ceiling_time_s}
+        if self.config.ceiling_sweep_s is not None:
+            from stepscope.analyses.loader import trainer_ms_per_sample
+
+            job.update(
+                sweep=True,
+                budget_s=self.config.ceiling_sweep_s,
+                sweep_batches=max(20, min(batches, 100)),
+                sweep_warmup=min(warmup, 10),
+                # the sweep ranks the settings by this rank's own measured step (its time besides the data wait)
+                trainer_ms_per_sample=trainer_ms_per_sample(self.scope.summary(drain=True)),
+            )
         self.loader_result = run_loader_job(loader, job, state.info.index)
 
     # -- `stepscope dataloader` ----------------------------------------------------------------------------------
