@@ -13,7 +13,8 @@ import re
 import statistics
 import sys
 import textwrap
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TypeVar
 
 from rich import box
 from rich.console import Console
@@ -133,7 +134,16 @@ def eval_line(summary: RunSummary) -> str | None:
     )
 
 
+T = TypeVar("T")
 RANK_ROWS = 16  # a larger job's table shows its outliers: 1,024 rows would bury the rest of the report
+
+
+def outliers(ranks: list[T], distance: Callable[[T], float], rank: Callable[[T], int]) -> list[T]:
+    """The rows of a rank table: all ``ranks`` up to ``RANK_ROWS``, else the ``RANK_ROWS`` with the largest
+    ``distance`` from the job (ties in rank order), in ``rank`` order. The JSON keeps every rank."""
+    if len(ranks) <= RANK_ROWS:
+        return ranks
+    return sorted(sorted(ranks, key=distance, reverse=True)[:RANK_ROWS], key=rank)
 
 
 def shown_ranks(summary: RunSummary) -> list[RunSummary]:
@@ -151,12 +161,12 @@ def shown_ranks(summary: RunSummary) -> list[RunSummary]:
             return math.inf
         return max((abs(rank.phases[n].mean_ms - medians[n]) for n in names if n in rank.phases), default=0.0)
 
-    return sorted(sorted(ranks, key=distance, reverse=True)[:RANK_ROWS], key=lambda r: r.meta.rank or 0)
+    return outliers(ranks, distance, lambda r: r.meta.rank or 0)
 
 
 def rank_table(summary: RunSummary, ascii_only: bool = False) -> Table:
-    """One row per rank (the slowest ``RANK_ROWS`` of a larger job): its node when the job spans several, step
-    time, each phase's mean, samples/s."""
+    """One row per rank (of a larger job, the ``RANK_ROWS`` of ``shown_ranks``): its node when the job spans
+    several, step time, each phase's mean, samples/s."""
     names = [n for n in summary.phases if n != TOTAL]
     nodes = bool(summary.cluster and summary.cluster.nodes)
     table = Table(box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False)

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.analyses.trace.analyze import RankTrace, TraceAnalysis, job_verdict
-from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
+from stepscope.report.terminal import _ASCII_HEAD, RANK_ROWS, _console, _plain, outliers, terminal_safe
 
 
 def _text(value: object) -> str:
@@ -27,9 +27,6 @@ def _pct(value: float | None) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
-
-
-RANK_ROWS = 16  # a larger job's table lists the ranks that stand out; the JSON has every rank
 
 
 def outlying_ranks(ranks: list[RankTrace], named: set[int]) -> list[RankTrace]:
@@ -52,7 +49,7 @@ def outlying_ranks(ranks: list[RankTrace], named: set[int]) -> list[RankTrace]:
             off.append(100 * abs(r.step_ms - step) / step)
         return max(off)
 
-    return sorted(sorted(ranks, key=distance, reverse=True)[:RANK_ROWS], key=lambda r: r.rank)
+    return outliers(ranks, distance, lambda r: r.rank)
 
 
 def rank_breakdown(ranks: list[RankTrace], ascii_only: bool = False) -> Table:
