@@ -306,10 +306,11 @@ def applied_line(summary: RunSummary) -> str | None:
     """``--apply``: each requested fix, where it applied or why not, in one line (None when none was asked for)."""
     if not summary.applied:
         return None
+    from stepscope.instrument.apply import describe
+
     parts = []
     for fix in summary.applied:
-        value = fix.get("value")
-        name = f"{fix['id']}={('on' if value else 'off') if isinstance(value, bool) else value}"
+        name = f"{fix['id']}={describe(fix.get('value'))}"
         if fix.get("applied"):
             extra = [fix["where"]] + ([f"not at {fix['why']}"] if fix.get("why") else [])
             extra += [f"ignored the script's {what}" for what in fix.get("ignored", [])]
