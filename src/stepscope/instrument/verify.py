@@ -150,13 +150,11 @@ def verify(
     )
     result = run_ab(variants, settings, log=log, budget_s=budget_s)
     by_id = {c.candidate: c for c in result.comparisons}
-    verified = []
     for fix, argument in chosen.chosen:
         comparison = by_id.get(fix.id)
         if comparison is None:
             continue
         measured = _measured(comparison, argument, fix)
-        verified.append(fix.id)
         if measured["flag"] and comparison.verdict in (SLOWER, FASTER):
             summary.notes.append(f"--verify: {fix.id} {measured['flag']}.")
         index = summary.fixes.index(fix)
