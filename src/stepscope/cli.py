@@ -426,7 +426,7 @@ NO_LOADER = (
 
 
 def _dataloader(args: argparse.Namespace) -> int:
-    from stepscope.analyses.loader import combine_ranks, trainer_ms_per_sample
+    from stepscope.analyses.loader import combine_ranks, sweep_trials, trainer_ms_per_sample
     from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
     from stepscope.report.terminal import print_loader
@@ -453,8 +453,7 @@ def _dataloader(args: argparse.Namespace) -> int:
         "device": device,
         "sweep": args.sweep,
         "budget_s": args.budget_s,
-        "sweep_batches": max(20, min(args.batches, 100)),
-        "sweep_warmup": min(args.warmup, 10),
+        **sweep_trials(args.batches, args.warmup),
         "loader": args.loader,
         "trainer_ms_per_sample": trainer_ms,
     }

@@ -686,6 +686,12 @@ def _cuda_available() -> bool:
         return False
 
 
+def sweep_trials(batches: int, warmup: int) -> dict[str, int]:
+    """A ``run_loader_job`` job's sweep trial sizes from its measurement's ``batches`` and ``warmup``: up to 100
+    batches a trial (at least 20) after up to 10 of warm-up, so that a sweep of many settings fits its budget."""
+    return {"sweep_batches": max(20, min(batches, 100)), "sweep_warmup": min(warmup, 10)}
+
+
 def trainer_ms_per_sample(run: RunSummary) -> float | None:
     """A training run's own time per sample on one rank besides waiting for data (ms): per rank, its time per
     sample (1000 / its samples/s) less the share of its step spent waiting for the loader; the median over the

@@ -560,13 +560,12 @@ class Tracker:
             warmup = min(warmup, max(1, state.info.length // 5))
         job: dict[str, Any] = {"batches": batches, "warmup": warmup, "time_limit_s": self.config.ceiling_time_s}
         if self.config.ceiling_sweep_s is not None:
-            from stepscope.analyses.loader import trainer_ms_per_sample
+            from stepscope.analyses.loader import sweep_trials, trainer_ms_per_sample
 
             job.update(
+                sweep_trials(batches, warmup),
                 sweep=True,
                 budget_s=self.config.ceiling_sweep_s,
-                sweep_batches=max(20, min(batches, 100)),
-                sweep_warmup=min(warmup, 10),
                 # the sweep ranks the settings by this rank's own measured step (its time besides the data wait)
                 trainer_ms_per_sample=trainer_ms_per_sample(self.scope.summary(drain=True)),
             )
