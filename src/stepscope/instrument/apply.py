@@ -11,6 +11,7 @@ Fixes that set a global flag also guard it: the script's own later attempt to se
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import warnings
@@ -147,15 +148,11 @@ class Injector:
         self._ignored: dict[str, list[str]] = {i: [] for i in self.fixes}
         self._loaders = 0
         self._optimizers = 0
-        self._kinds: CodeKinds | None = None
 
     def install(self, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
         """Patch torch for the requested fixes with ``patch(owner, name, make)`` (hooks.py's: removable)."""
         if not self.fixes:
             return
-        import torch  # noqa: F401  (imported first: library_roots counts torch's folder, wherever it is installed)
-
-        self._kinds = CodeKinds()
         for ids, install in (
             (LOADER_FIXES, self._install_loader),
             (OPTIMIZER_FIXES, self._install_optimizer),
@@ -198,12 +195,17 @@ class Injector:
         for fix_id in wanted:
             self._why[fix_id].append(why)
 
+    @functools.cached_property
+    def _kinds(self) -> CodeKinds:
+        # built at the first site asked for, from inside a patched torch call: torch is imported by then, so its
+        # folder counts as library code wherever it is installed
+        return CodeKinds()
+
     def _site(self) -> str:
         """``file.py:LINE`` of the user's frame that led here (the innermost outside installed libraries and stepscope:
         the line of the script or of its own package, not of Lightning or torch); ``?`` when none is (``python -c``)."""
-        kinds = self._kinds or CodeKinds()
         frame = sys._getframe(1)
-        while frame is not None and kinds.kind(frame.f_code) != USER:
+        while frame is not None and self._kinds.kind(frame.f_code) != USER:
             frame = frame.f_back
         if frame is None:
             return "?"
