@@ -8,9 +8,9 @@ from torch import nn
 def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+    x, y = torch.randn(512, 256), torch.randint(0, 4, (512,))
     losses = []
     for _ in range(100_000):
         optimizer.zero_grad()
