@@ -78,10 +78,10 @@ def test_run_counts_the_model_flops_in_a_warm_up_step(tmp_path):
     r = stepscope_run(tmp_path, script("doctor_item.py"), warmup=3, steps=10)
     assert r.returncode == 0, r.describe()
     t = r.summary.throughput
-    # doctor_item: Linear(64, 128) -> ReLU -> Linear(128, 4) on a batch of 32, inputs without gradients:
-    # forward 2·32·(64·128 + 128·4); backward: both weight gradients, and the hidden activation's gradient.
-    forward = 2 * 32 * (64 * 128 + 128 * 4)
-    backward = 2 * 32 * (64 * 128 + 128 * 4) + 2 * 32 * 128 * 4
+    # doctor_item: Linear(256, 1024) -> ReLU -> Linear(1024, 4) on a batch of 512, inputs without gradients:
+    # forward 2·512·(256·1024 + 1024·4); backward: both weight gradients, and the hidden activation's gradient.
+    forward = 2 * 512 * (256 * 1024 + 1024 * 4)
+    backward = 2 * 512 * (256 * 1024 + 1024 * 4) + 2 * 512 * 1024 * 4
     assert t.flops_per_step == forward + backward
     assert t.tflops == pytest.approx(t.flops_per_step / (t.step_time_ms / 1e3) / 1e12)
     assert t.mfu is None  # a CPU: no peak to compare with
