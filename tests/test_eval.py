@@ -129,3 +129,60 @@ def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, t
     assert 0.25 <= passes["share_of_wall"] <= 0.7, passes  # 4 × 10 forwards against 40 × 1–1.5 forwards
     assert summary.verdict.bound == "compute", r.describe()
     assert "eval: 4 validation pass(es) between steps" in r.stdout, r.stdout
+
+
+# -- work that recurs every step is step work -----------------------------------------------------------------------
+
+
+def _own_rates(timer_path, warmup: int, steps: int) -> tuple[float, float]:
+    """The script's own step rate (its validation left out) and wall rate over the measured steps (steps/s)."""
+    import json
+
+    timer = json.loads(timer_path.read_text())
+    ends, val_s = timer["ends"], timer["val_s"]
+    # Step i ends at ends[i]; the measured ones are warmup .. warmup + steps - 1, each since the end of the one before.
+    # The script is stopped at the first event after the last measured step, which may come before its own timer
+    # reads the end of that step: the rates are over the measured steps it timed.
+    n = min(steps, len(ends) - warmup)
+    window = ends[warmup + n - 1] - ends[warmup - 1]
+    own_val = sum(val_s[warmup : warmup + n])
+    return n / (window - own_val), n / window
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_no_grad_forwards_in_every_step_stay_in_the_step(tmp_path, where):
+    # Six no_grad forwards of a second model (1 ms each) in every step, beside a 4 ms training forward: a metric or
+    # a reference model, not validation. Cut out as validation they made the run read 2.5x its own steps/s.
+    timer = tmp_path / "timer.json"
+    args = ["--where", where, "--side-forwards", "6", "--side-ms", "1", "--forward-ms", "4", "--timer", str(timer)]
+    r = stepscope_run(tmp_path, script("side_work.py"), *args, warmup=5, steps=40)
+    assert r.returncode == 0, r.describe()
+    summary = r.summary
+    assert summary.eval == {}, summary.eval
+    step_rate, wall_rate = _own_rates(timer, warmup=5, steps=40)
+    assert summary.throughput.steps_per_s == pytest.approx(step_rate, rel=0.05), r.describe()
+    assert summary.throughput.wall_steps_per_s == pytest.approx(wall_rate, rel=0.05), r.describe()
+    # The 7 forwards of a step are its own: 10 ms of sleep at least.
+    assert summary.phases["forward"].median_ms >= 10.0, r.describe()
+    assert summary.counters["forward_calls"] == pytest.approx(7.0, abs=0.1)
+    assert summary.counters["batches"] == pytest.approx(1.0)
+    assert summary.throughput.samples_per_s == pytest.approx(8 * summary.throughput.steps_per_s, rel=0.01)
+    assert summary.invariants == []
+
+
+def test_validation_after_every_steps_side_work_is_still_validation(tmp_path):
+    # The same side work every step, and every 10 steps a validation pass over its own loader (5 batches): the
+    # passes are kept apart, the side work stays in the step, and the wall rate counts both.
+    timer = tmp_path / "timer.json"
+    args = ["--val-every", "10", "--val-batches", "5", "--forward-ms", "4", "--timer", str(timer)]
+    r = stepscope_run(tmp_path, script("side_work.py"), *args, warmup=5, steps=40)
+    assert r.returncode == 0, r.describe()
+    summary = r.summary
+    assert summary.eval["passes"] == 4 and summary.eval["batches_per_pass"] == pytest.approx(5.0), summary.eval
+    step_rate, wall_rate = _own_rates(timer, warmup=5, steps=40)
+    assert summary.throughput.steps_per_s == pytest.approx(step_rate, rel=0.05), r.describe()
+    assert summary.throughput.wall_steps_per_s == pytest.approx(wall_rate, rel=0.05), r.describe()
+    wall = summary.wall
+    assert wall.window_s == pytest.approx(wall.steps_s + wall.eval_s + wall.between_s)
+    assert wall.eval_s == pytest.approx(summary.eval["time_s"])
+    assert summary.invariants == []

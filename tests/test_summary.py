@@ -159,7 +159,7 @@ def test_round_trip_of_a_real_scope_summary(tmp_path, clock):
 def test_json_form_puts_schema_version_first():
     data = orjson.loads(full_summary().to_json())
     assert next(iter(data)) == "schema_version"
-    assert data["schema_version"] == SCHEMA_VERSION == 5
+    assert data["schema_version"] == SCHEMA_VERSION == 6
     assert data["phases"]["forward"]["device_p95_ms"] == 22.0
     assert data["fixes"][1]["gain_bound"] is None
 
@@ -328,9 +328,19 @@ def test_schema_4_file_is_upgraded_with_no_applied_fixes_and_unknown_nodes():
     assert (summary.meta.node_rank, summary.meta.job_id, summary.meta.pid) == (None, None, None)
 
 
+def test_schema_5_file_is_upgraded_without_a_wall_window_or_wall_rates():
+    data = full_summary().to_dict()
+    data["schema_version"] = 5
+    del data["wall"], data["invariants"], data["throughput"]["wall_steps_per_s"]
+    del data["throughput"]["wall_samples_per_s"]
+    summary = RunSummary.from_dict(data)
+    assert (summary.schema_version, summary.wall, summary.invariants) == (SCHEMA_VERSION, None, [])
+    assert summary.throughput.wall_samples_per_s is None
+
+
 def test_trace_highlights_are_a_top_level_field_after_pipeline():
     data = orjson.loads(full_summary().to_json())
-    assert list(data)[-5:] == ["pipeline", "trace", "eval", "hotspots", "applied"]
+    assert list(data)[-7:] == ["pipeline", "trace", "eval", "hotspots", "applied", "wall", "invariants"]
     assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
     assert RunSummary().to_dict()["trace"] == {}
 

@@ -180,10 +180,10 @@ class EvalPasses:
         self.forwards += forwards
         self.batches += batches
 
-    def to_dict(self, train_s: float) -> dict[str, Any]:
-        """``RunSummary.eval``: passes, their time (s, and ms per pass), their share of wall time next to the
-        ``train_s`` seconds of measured training steps, and the phases inside a pass (ms per pass); {} without
-        a pass."""
+    def to_dict(self, wall_s: float) -> dict[str, Any]:
+        """``RunSummary.eval``: passes, their time (s, and ms per pass), their share of the ``wall_s`` seconds of
+        the measured window (at least the passes' own time), and the phases inside a pass (ms per pass); {}
+        without a pass."""
         passes = self.durations.count
         if not passes:
             return {}
@@ -193,7 +193,7 @@ class EvalPasses:
         return {
             "passes": passes,
             "time_s": eval_s,
-            "share_of_wall": eval_s / (eval_s + train_s) if eval_s + train_s > 0 else 0.0,
+            "share_of_wall": eval_s / max(wall_s, eval_s) if eval_s > 0 else 0.0,
             "mean_ms": _ms(self.durations.mean),
             "median_ms": _ms(self.durations.quantile(0.5)),
             "max_ms": _ms(self.durations.max),
@@ -245,6 +245,7 @@ class Recorder:
     series: SeriesBuilder = field(default_factory=SeriesBuilder)  # every timed step, warm-up and profiled too
     _unfolded: list[StepRecord] = field(default_factory=list)
     _unfolded_device: list[dict[str, float]] = field(default_factory=list)
+    _held: list[tuple[StepRecord, bool]] = field(default_factory=list)  # (record, measured) awaiting release
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -261,19 +262,39 @@ class Recorder:
 
     @property
     def measured(self) -> int:
-        return self.step_stats.count + len(self._unfolded)
+        return self.step_stats.count + len(self._unfolded) + sum(measured for _, measured in self._held)
 
-    def add(self, record: StepRecord) -> bool:
-        """Take one closed step; returns False (and keeps nothing) for a warm-up step."""
+    @property
+    def held(self) -> bool:
+        """True while a closed step waits for ``release``."""
+        return bool(self._held)
+
+    def add(self, record: StepRecord, hold: bool = False) -> bool:
+        """Take one closed step; returns False (and keeps nothing) for a warm-up step. ``hold``: count the step now
+        but keep its figures out of every statistic until ``release`` (its record may still change: a stretch cut
+        out of it as validation that turns out to recur every step goes back in)."""
         measured = self.steps_seen >= self.warmup
         self.steps_seen += 1
+        if hold:
+            self._held.append((record, measured))
+        else:
+            self._keep(record, measured)
+        return measured
+
+    def release(self) -> list[StepRecord]:
+        """Keep the held steps, as they are now; returns those that were measured."""
+        held, self._held = self._held, []
+        for record, measured in held:
+            self._keep(record, measured)
+        return [record for record, measured in held if measured]
+
+    def _keep(self, record: StepRecord, measured: bool) -> None:
         self.series.add(record.step_ns)
         if measured:
             self.recent.append(record)
             self._unfolded.append(record)
             if len(self._unfolded) >= self.fold_every:
                 self.fold()
-        return measured
 
     def add_device(self, record: StepRecord, device_s: dict[str, float]) -> None:
         """Attach a step's device seconds once its events completed (possibly several steps later)."""

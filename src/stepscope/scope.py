@@ -31,7 +31,7 @@ from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSour
 from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
 from stepscope.record import DATA_PHASE, EVAL_PHASE, OTHER_PHASE, EvalPasses, Recorder, StepRecord, summarize
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
-from stepscope.summary import Meta, RunSummary
+from stepscope.summary import Meta, RunSummary, Wall
 
 log = logging.getLogger("stepscope")
 
@@ -185,6 +185,28 @@ class _EvalWindow:
     depth: int
     device: Any
     step_start_ns: int | None
+
+
+@dataclass(slots=True)
+class _Pass:
+    """A measured stretch cut out of a step as validation, not yet counted as a pass: the step's phase time inside
+    it (``claimed_ns`` of it at the top level) and its wall time (ns)."""
+
+    wall_ns: int
+    phases_ns: dict[str, int]
+    claimed_ns: int
+    forwards: int
+    batches: int
+
+
+def _absorb(record: StepRecord, passes: list[_Pass]) -> None:
+    """Put stretches cut out of ``record``'s step back into it: they were step work after all."""
+    phases = record.phases_ns
+    for stretch in passes:
+        record.step_ns += stretch.wall_ns
+        for name, ns in stretch.phases_ns.items():
+            phases[name] = phases.get(name, 0) + ns
+        phases[OTHER_PHASE] = phases.get(OTHER_PHASE, 0) + max(stretch.wall_ns - stretch.claimed_ns, 0)
 
 
 class _CudaPhase(_HostPhase):
@@ -398,6 +420,12 @@ class Scope:
         self._failed: str | None = None
         self._eval = EvalPasses()
         self._eval_window: _EvalWindow | None = None
+        # Stretches cut out of the open step as validation whose fate waits on the next step (``_end_eval``'s
+        # ``tentative``), and the closed step held back with its own until then.
+        self._side: list[_Pass] = []
+        self._held: tuple[StepRecord, list[_Pass]] | None = None
+        self._cut_ns = 0  # wall time of passes cut out of the open step after it began
+        self._window: list[int] | None = None  # [start, end] (ns) of the measured wall window
         self._pipeline: Any = None  # a linked PipelineMonitor
         self._started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self._capture(profile, nvtx, nsys_window)
@@ -511,6 +539,8 @@ class Scope:
         synchronising once if any are still in flight: call it after the loop. ``drain=False`` never waits (for
         checkpoints inside the loop): steps still in flight then lack device time."""
         try:
+            if drain:  # the run is over: no next step will show that the held step's stretch recurs
+                self._settle_held(recurs=False)
             harvested = self._device.drain() if drain else self._device.harvest()
             for record, device_s in harvested:
                 self._recorder.add_device(record, device_s)
@@ -518,7 +548,12 @@ class Scope:
             self._fail(error)
         summary = summarize(self._recorder, self._timing_used)
         summary.meta = self._meta()
+        summary.wall = self._wall(self._recorder.step_stats.total) if summary.steps.measured else None
         throughput = summary.throughput
+        if summary.wall is not None and summary.wall.window_s > 0:
+            throughput.wall_steps_per_s = summary.steps.measured / summary.wall.window_s
+            if throughput.samples_per_s is not None:
+                throughput.wall_samples_per_s = throughput.samples_per_s * summary.wall.steps_s / summary.wall.window_s
         if self.flops_per_step and throughput.step_time_ms:
             throughput.flops_per_step = self.flops_per_step
             throughput.tflops = self.flops_per_step / (throughput.step_time_ms / 1e3) / 1e12
@@ -536,7 +571,7 @@ class Scope:
             summary.notes.append(
                 f"device time missing for {self._device.dropped_steps} step(s) whose events never completed."
             )
-        summary.eval = self._eval.to_dict(train_s=recorder.step_stats.total)
+        summary.eval = self._eval.to_dict(wall_s=summary.wall.window_s if summary.wall else recorder.step_stats.total)
         if self._pipeline is not None:
             summary.pipeline = self._pipeline.to_summary()
         from stepscope.doctor.verdict import classify
@@ -613,8 +648,11 @@ class Scope:
     def _close_step(self, t1: int, batch_size: int | None) -> None:
         t0 = self._step_start_ns
         self._step_start_ns = t1
+        cut, self._cut_ns = self._cut_ns, 0
+        side, self._side = self._side, []
         if t0 is None:
             # The first step closed before any phase or fetch began: its start is unknown, so it is not timed.
+            self._count_passes(side)
             self._recorder.steps_seen += 1
             return
         phases_ns = self._current
@@ -624,40 +662,95 @@ class Scope:
         self._claimed_ns = 0
         recorder = self._recorder
         if self._on_step(recorder.steps_seen + 1):  # recorded by torch.profiler: its overhead is in the times
+            self._count_passes(side)
+            self._settle_held(recurs=False)
             recorder.steps_seen += 1
             recorder.profiled += 1
             recorder.series.add(record.step_ns)
             self._device.discard_step()
             self._step_start_ns = self._clock()  # the profiler's step() (a trace export) is not the next step's time
             return
-        if recorder.add(record):
+        if self._settle_held(recurs=bool(side)):
+            _absorb(record, side)  # this step's stretch recurs too: it stays in the step
+            side = []
+        if recorder.add(record, hold=bool(side) and recorder.measuring):
+            self._widen(t0 - cut, t1)
             device = self._device
             device.close_step(record)
             if device.pending_steps:
                 for done, device_s in device.harvest():
                     recorder.add_device(done, device_s)
-            self._log_step(record.index)
+            if side:
+                self._held = (record, side)  # validation, or step work if the next step cuts out a stretch too
+            else:
+                self._log_step(record.index)
         elif recorder.measuring:
             self._start_measuring()
         elif recorder.steps_seen == recorder.warmup - 1:
             self._start_sampler()  # the last warm-up step begins: what starting it costs is in no measured step
 
-    def _begin_eval(self, t0: int, moved: dict[str, int] | None = None) -> None:
-        """A validation pass begins at ``t0``: from now on phase time is the pass's, not the step's. ``moved``
-        (phase -> ns) is time already added to the step that belongs to the pass (its first fetch, say): it moves
-        into the pass, whose wall time must then start no later than that time did."""
-        current, claimed = self._current, self._claimed_ns
-        for name, ns in (moved or {}).items():
-            current[name] = current.get(name, 0) - ns
-            claimed -= ns
-        self._eval_window = _EvalWindow(t0, current, claimed, self._depth, self._device, self._step_start_ns)
-        self._current, self._claimed_ns, self._depth = dict(moved or {}), 0, 0
+    def _settle_held(self, recurs: bool) -> bool:
+        """Decide the held step's stretches now that the next step closed: when that step cut out a stretch too
+        (``recurs``), work that recurs every step is step work, whatever its grad mode, and goes back into both
+        steps (True); otherwise they were validation passes. Either way the held step joins the statistics."""
+        if self._held is None:
+            return False
+        (record, passes), self._held = self._held, None
+        if recurs:
+            _absorb(record, passes)
+        else:
+            self._count_passes(passes)
+        for done in self._recorder.release():
+            self._log_step(done.index)
+        return recurs
+
+    def _count_passes(self, passes: list[_Pass]) -> None:
+        for stretch in passes:
+            self._eval.add(stretch.wall_ns, stretch.phases_ns, stretch.forwards, stretch.batches)
+
+    def _widen(self, start_ns: int, end_ns: int) -> None:
+        """Stretch the measured wall window to cover ``start_ns``..``end_ns``."""
+        window = self._window
+        if window is None:
+            self._window = [start_ns, end_ns]
+        else:
+            window[0], window[1] = min(window[0], start_ns), max(window[1], end_ns)
+
+    def _wall(self, steps_s: float) -> Wall | None:
+        """Where the measured window's wall time went: training steps, validation passes, neither (s)."""
+        if self._window is None:
+            return None
+        window_s = (self._window[1] - self._window[0]) / 1e9
+        eval_s = self._eval.durations.total
+        between_s = window_s - steps_s - eval_s
+        if -1e-6 < between_s < 0:  # float sums of integer nanoseconds
+            between_s = 0.0
+        return Wall(window_s=window_s, steps_s=steps_s, eval_s=eval_s, between_s=between_s)
+
+    def _begin_eval(self, t0: int) -> None:
+        """A validation pass begins at ``t0``: from now on phase time is the pass's, not the step's."""
+        window = _EvalWindow(t0, self._current, self._claimed_ns, self._depth, self._device, self._step_start_ns)
+        self._eval_window = window
+        self._current, self._claimed_ns, self._depth = {}, 0, 0
         self._device = HOST_ONLY  # the pass's GPU work is not the step's: no device events for it
 
-    def _end_eval(self, t1: int, keep: bool = True, forwards: int = 0, batches: int = 0) -> None:
+    def _end_eval(
+        self,
+        t1: int,
+        keep: bool = True,
+        forwards: int = 0,
+        batches: int = 0,
+        tentative: bool = False,
+        moved: dict[str, int] | None = None,
+        moved_start_ns: int | None = None,
+    ) -> None:
         """The pass that began at ``_begin_eval`` ends at ``t1``: the step gets its accumulators back, less the
         pass's wall time. ``keep=False``: it was training work after all (a frozen teacher's forward without
-        gradients), so its phases go back into the step."""
+        gradients), so its phases go back into the step. ``moved`` (phase -> ns, from ``moved_start_ns`` on) is
+        time added to the step before the pass began that was the pass's (its loader's first fetch): it moves into
+        the pass, whose wall time then starts there. ``tentative``: a pass inferred from the script's events (not
+        declared with ``phase("eval")``) counts as one only if the next step cuts out no stretch of its own; if it
+        does, the work recurs every step and goes back into both steps (``_settle_held``)."""
         window, self._eval_window = self._eval_window, None
         if window is None:
             return
@@ -673,12 +766,27 @@ class Scope:
                 self._current[name] = self._current.get(name, 0) + ns
             self._claimed_ns += claimed_inside
             return
+        start_ns = window.start_ns
+        if moved and moved_start_ns is not None:
+            for name, ns in moved.items():
+                self._current[name] = self._current.get(name, 0) - ns
+                inside[name] = inside.get(name, 0) + ns
+                self._claimed_ns -= ns
+                claimed_inside += ns
+            start_ns = min(start_ns, moved_start_ns)
+        wall_ns = t1 - start_ns
         if window.step_start_ns is not None:
-            self._step_start_ns = window.step_start_ns + (t1 - window.start_ns)
+            self._step_start_ns = window.step_start_ns + wall_ns
+            self._cut_ns += wall_ns
         elif self._step_start_ns is not None:
             self._step_start_ns = None  # set inside the pass: the step begins at its first phase after it
-        if self._recorder.measuring:
-            self._eval.add(t1 - window.start_ns, inside, forwards, batches)
+        if not self._recorder.measuring:
+            return
+        self._widen(start_ns, t1)
+        if tentative:
+            self._side.append(_Pass(wall_ns, inside, claimed_inside, forwards, batches))
+        else:
+            self._eval.add(wall_ns, inside, forwards, batches)
 
     def _capture(self, profile: ProfileWindow | None, nvtx: bool, nsys_window: NsysWindow | str | None) -> None:
         """Set up the profiler window, phase ranges and Nsight window; each is absent (a no-op) unless asked for."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -66,15 +66,33 @@ class PhaseStats:
 
 @dataclass
 class Throughput:
-    """Rates over the measured steps; samples_per_s is null when no batch size was known."""
+    """Rates over the measured steps; samples_per_s is null when no batch size was known.
+
+    ``steps_per_s``/``samples_per_s`` are the *step rate*: training steps over the time spent in them. The
+    ``wall_`` rates are the *wall rate*: the same steps and samples over the measured wall window (validation
+    passes and time between steps included). A synchronous multi-rank job's rates are the job's: every rank's
+    samples over the slowest rank's time."""
 
     steps_per_s: float | None = None
     samples_per_s: float | None = None
+    wall_steps_per_s: float | None = None
+    wall_samples_per_s: float | None = None
     step_time_ms: float | None = None
     flops_per_step: int | None = None  # model FLOPs of one forward+backward (FlopCounterMode), when counted
     tflops: float | None = None  # achieved: flops_per_step / mean step time
     mfu: float | None = None  # tflops / the GPU's dense peak for the training dtype, 0..1
     mfu_peak: str | None = None  # the peak used, e.g. "NVIDIA H100 80GB HBM3 bfloat16 dense 989.4 TFLOP/s"
+
+
+@dataclass
+class Wall:
+    """The measured wall window, accounted once: ``window_s = steps_s + eval_s + between_s`` (s). The window runs
+    from the start of the first measured step (or of a validation pass before it) to the end of the last one."""
+
+    window_s: float = 0.0
+    steps_s: float = 0.0  # inside measured training steps
+    eval_s: float = 0.0  # inside validation passes
+    between_s: float = 0.0  # in neither: steps torch.profiler recorded, stepscope's own checkpoint writes, ...
 
 
 @dataclass
@@ -239,6 +257,8 @@ class RunSummary:
     hotspots: dict[str, Any] = field(default_factory=dict)  # per phase: the source lines host time was spent on
     # `--apply`: the fixes stepscope applied to the run itself, each {id, value, applied, where, why}
     applied: list[dict[str, Any]] = field(default_factory=list)
+    wall: Wall | None = None  # where the measured window's wall time went (per rank in a merged summary)
+    invariants: list[str] = field(default_factory=list)  # the figures' broken invariants, one sentence each
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -434,5 +454,9 @@ def _add_applied(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "applied": [], "schema_version": 5}  # Meta's node fields and Cluster's lists have defaults
 
 
+def _add_wall(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "wall": None, "invariants": [], "schema_version": 6}  # Throughput's wall rates have defaults
+
+
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
-_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval, 4: _add_applied}
+_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval, 4: _add_applied, 5: _add_wall}

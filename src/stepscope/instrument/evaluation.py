@@ -10,7 +10,13 @@ forward, backward or optimizer step. In the second case the stretch may have bee
 frozen teacher's forward before the student's, a model kept in ``eval()`` while fine-tuning. It is kept apart
 only when it fetched batches between its forwards (a validation loop over a loader) or ran at least
 ``MIN_PASS_FORWARDS`` forwards; otherwise its time goes back into the step. The validation loader's fetches
-just before the first forward (``iter(val_loader)`` and its first batch) belong to the pass and move into it.
+just before the first forward (``iter(val_loader)`` and its first batch) belong to the pass and move into it when
+it fetches from that loader again.
+
+Validation recurs now and then; work that recurs in every step is step work, whatever its grad mode: a reference
+model's or teacher's forward, metrics, an EMA update, test-time augmentation. So a kept stretch is only
+*tentatively* a pass: when the next step cuts out a stretch too, both go back into their steps (the Scope holds
+the first step back until then), and from then on, while every step has such a stretch, none is cut out at all.
 """
 
 from __future__ import annotations
@@ -42,7 +48,14 @@ class EvalDetector:
     batches: int = 0
     samples: int = 0
     fetched: bool = False  # the open pass fetched a batch after its first forward: a loop over a loader
-    _moved: set[int | None] = field(default_factory=set)  # loaders whose fetches moved into the open pass
+    # Stretches of evaluation recur step after step: they are step work, and no pass is opened for them.
+    recurring: bool = False
+    _side_now: bool = False  # this step had such a stretch (kept as a pass, or left in the step while recurring)
+    _side_before: bool = False  # so did the step before it
+    _forwards_now: int = 0  # forwards of the stretches kept as passes in this step
+    _forwards_before: int = 0  # and in the step before
+    _before: list[_Fetch] = field(default_factory=list)  # fetches from loaders aside just before the open pass
+    _pass_loaders: set[int | None] = field(default_factory=set)  # loaders the open pass fetched from
     _step_loaders: set[int] = field(default_factory=set)  # loaders fetched from in this step, outside passes
     _fetches: list[_Fetch] = field(default_factory=list)  # this step's fetches since its last training event
 
@@ -55,6 +68,7 @@ class EvalDetector:
         """A fetch ended; True when it belongs to an open pass (its batch and samples are not the step's)."""
         if self.open:
             self.fetched = True
+            self._pass_loaders.add(loader)
             self.batches += batch
             self.samples += samples
             return True
@@ -72,9 +86,14 @@ class EvalDetector:
                 return True
             self._end(tracker, now, keep=self._is_pass())
         elif evaluating and self.fresh:
-            self._begin(tracker, now)
-            self.forwards = 1
-            return True
+            # While every step has such a stretch it stays in the step, unless it loops over a loader of its own
+            # (a validation pass after the step's recurring side work: the
+            # validation loader's first fetch came before this forward).
+            if not self.recurring or self._aside():
+                self._begin(tracker, now)
+                self.forwards = 1
+                return True
+            self._side_now = True
         if not evaluating:
             self._trained()
         return False
@@ -85,7 +104,14 @@ class EvalDetector:
             self._end(tracker, now, keep=self._is_pass())
         self._trained()
 
-    def step_closed(self) -> None:
+    def step_closed(self, tracker: Any) -> None:
+        """The step closed. Two steps in a row with a stretch of evaluation make it recurring step work: the
+        Scope puts both back into their steps, and the forwards they held count as the steps' own."""
+        if self._side_now and self._side_before and not self.recurring:
+            tracker.give_to_step(self._forwards_before + self._forwards_now, 0, 0)
+        self.recurring = self._side_now and (self._side_before or self.recurring)
+        self._side_before, self._side_now = self._side_now, False
+        self._forwards_before, self._forwards_now = self._forwards_now, 0
         self.fresh = True
         self._fetches.clear()
         self._step_loaders.clear()
@@ -95,29 +121,47 @@ class EvalDetector:
         self.training_loaders |= self._step_loaders
         self._fetches.clear()
 
+    def _aside(self) -> list[_Fetch]:
+        """This step's fetches since its last training event from loaders that do not feed training."""
+        return [f for f in self._fetches if f.loader is None or f.loader not in self.training_loaders]
+
     def _is_pass(self) -> bool:
         return self.fetched or self.forwards >= MIN_PASS_FORWARDS
 
     def _begin(self, tracker: Any, now: int) -> None:
-        # The validation loader's fetches just before: `for x in val_loader` fetches before its first forward.
-        moved = [f for f in self._fetches if f.loader is None or f.loader not in self.training_loaders]
+        # `for x in val_loader` fetches before its first forward: those fetches join the pass at its end if it
+        # fetched from the same loader again (a loop over it), and stay in the step otherwise (the training batch
+        # that side work ran on before the training forward).
+        self._before = self._aside()
         self._fetches.clear()
-        self._moved = {f.loader for f in moved}
-        self._step_loaders -= self._moved  # the pass's loader: not one that feeds training
-        start = min([now, *(f.start_ns for f in moved)])
-        moved_ns = sum(f.ns for f in moved)
-        tracker.scope._begin_eval(start, {"data_wait": moved_ns} if moved_ns else None)
+        tracker.scope._begin_eval(now)
         self.open = True
         self.fetched = False
-        self.batches = sum(f.batch for f in moved)
-        self.samples = sum(f.samples for f in moved)
-        tracker.take_from_step(self.batches, self.samples)
+        self.batches = self.samples = 0
+        self._pass_loaders = set()
 
     def _end(self, tracker: Any, now: int, keep: bool) -> None:
-        tracker.scope._end_eval(now, keep=keep, forwards=self.forwards, batches=self.batches)
-        if not keep:
+        moved = [f for f in self._before if f.loader in self._pass_loaders] if keep else []
+        if moved:
+            self.batches += sum(f.batch for f in moved)
+            self.samples += sum(f.samples for f in moved)
+            tracker.take_from_step(sum(f.batch for f in moved), sum(f.samples for f in moved))
+            self._step_loaders -= {f.loader for f in moved if f.loader is not None}  # the pass's, not training's
+        tracker.scope._end_eval(
+            now,
+            keep=keep,
+            forwards=self.forwards,
+            batches=self.batches,
+            tentative=True,
+            moved={"data_wait": sum(f.ns for f in moved)} if moved else None,
+            moved_start_ns=min((f.start_ns for f in moved), default=None),
+        )
+        if keep:
+            self._side_now = True
+            self._forwards_now += self.forwards
+        else:
             tracker.give_to_step(self.forwards, self.batches, self.samples)
-            self._step_loaders |= {loader for loader in self._moved if loader is not None}
         self.open = False
         self.forwards = self.batches = self.samples = 0
-        self._moved = set()
+        self._before = []
+        self._pass_loaders = set()

@@ -485,7 +485,7 @@ class Tracker:
         samples = self._step_samples or self.config.batch_size
         profiled = scope._recorder.profiled
         scope.step(batch_size=samples or None)
-        self.evals.step_closed()
+        self.evals.step_closed(self)
         if scope._recorder.profiled != profiled:  # a step recorded by torch.profiler: left out of the counts too
             for name in COUNTERS:
                 self._seen_at_measure[name] += self._seen_closed[name] - closed_before[name]
