@@ -9,6 +9,7 @@ import argparse
 import atexit
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ def main() -> None:
     ends: list[float] = []
     val_s: list[float] = []
     if args.timer:
-        atexit.register(lambda: open(args.timer, "w").write(json.dumps({"ends": ends, "val_s": val_s})))
+        atexit.register(lambda: Path(args.timer).write_text(json.dumps({"ends": ends, "val_s": val_s})))
 
     def side_work(x: torch.Tensor) -> None:
         with torch.no_grad():
