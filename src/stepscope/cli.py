@@ -161,6 +161,7 @@ def _profile_window(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _run(args: argparse.Namespace) -> int:
     from stepscope.instrument.launch import run
+    from stepscope.invariants import check
     from stepscope.report.terminal import print_summary
 
     target = _target(args.command, RUN_USAGE)
@@ -170,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     out = _out_folder(args.out)
     code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy), out=out, out_wait_s=args.out_wait_s)
     _attach_trace(args, summary, started)
+    check(summary)
     sys.stdout.flush()
     print_summary(summary)
     _save_summary(args, summary)
@@ -182,6 +184,7 @@ def _merge(args: argparse.Namespace) -> int:
     from stepscope.doctor.verdict import classify
     from stepscope.instrument.collect import MergeError, check_one_job, gather
     from stepscope.instrument.merge import merge
+    from stepscope.invariants import check
     from stepscope.report.terminal import print_doctor, print_summary
 
     _check_outputs(args, json="summary", html="report")
@@ -196,9 +199,11 @@ def _merge(args: argparse.Namespace) -> int:
     summary.notes += found.notes
     if found.lint is not None:  # doctor summaries: the job gets the doctor's verdict and fixes
         examine(summary, [LintHit(**hit) for hit in found.lint])
+        check(summary)
         print_doctor(summary)
     else:
         summary.verdict = classify(summary)
+        check(summary)
         print_summary(summary)
     _save_summary(args, summary)
     return 0
@@ -383,6 +388,7 @@ def _params(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from stepscope.doctor.checkup import examine, lint_script, script_path
     from stepscope.instrument.launch import run
+    from stepscope.invariants import check
     from stepscope.report.terminal import print_doctor
 
     target = _target(args.command, DOCTOR_USAGE)
@@ -403,6 +409,7 @@ def _doctor(args: argparse.Namespace) -> int:
     examine(summary, lint)
     if args.verify:
         _verify(args, target, summary)
+    check(summary)
     sys.stdout.flush()
     print_doctor(summary)
     _save_summary(args, summary)

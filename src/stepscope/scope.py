@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
 from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
+from stepscope.invariants import between_note, check
 from stepscope.record import DATA_PHASE, EVAL_PHASE, OTHER_PHASE, EvalPasses, Recorder, StepRecord, summarize
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary, Wall
@@ -581,7 +582,10 @@ class Scope:
             summary.notes.append(f"measurement stopped early after an internal error: {self._failed}")
         for calls, why in list(self._ignored.values()):
             summary.notes.append(f"ignored {calls:,} call(s) like {why}")
-        return summary
+        note = between_note(summary)
+        if note:
+            summary.notes.append(note)
+        return check(summary)
 
     def print_table(self, file: Any = None) -> None:
         """Print the per-phase table of ``summary()`` (rich on a terminal, plain text otherwise)."""

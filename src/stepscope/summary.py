@@ -220,7 +220,7 @@ class Cluster:
 
     world_size: int
     ranks_reported: list[int]
-    samples_per_s: float | None  # sum over ranks
+    samples_per_s: float | None  # the job's (merge.job_throughput): the sum over ranks only where none waits
     phases: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {min_ms, mean_ms, max_ms}
     straggler: Straggler | None = None
     missing_ranks: list[int] = field(default_factory=list)  # ranks of the world that wrote no summary

@@ -4,7 +4,9 @@ Pure functions over RunSummary: no collectives, so a rank that died cannot make 
 simply missing, and the merged summary says so.
 
 Merged figures: each phase statistic is the mean over ranks of that rank's statistic (p95 is the largest rank's
-p95); cluster samples/s is the sum over ranks; steps/s is the slowest rank's. Loaders, counters and runtime facts
+p95). A synchronous job's rates are the job's (``job_throughput``): every rank's samples per step over the slowest
+rank's step, and over the slowest rank's wall time per step, never a sum of per-rank rates that each leave out
+different things; ranks that wait for nobody (no collectives) add their rates up. Loaders, counters and runtime facts
 are the lowest rank's; ``system`` holds every rank's signals (each rank keeps its own system figures).
 ``cluster.phases`` gives each phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds
 the others up, and the ranks that wait for it in collectives. ``first_failure`` names the rank whose failure came
@@ -19,8 +21,9 @@ import os
 import statistics
 from typing import Any
 
+from stepscope.invariants import synchronous
 from stepscope.record import TOTAL, phase_order
-from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
+from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput, Wall
 
 STRAGGLER_MIN = 0.05
 COMMS = "comms"
@@ -225,6 +228,51 @@ def _missing_note(ranks: list[RunSummary], missing: list[int]) -> str:
     )
 
 
+def job_throughput(ranks: list[RunSummary]) -> Throughput:
+    """The job's rates from its ranks. Synchronous: the step rate is one over the slowest rank's mean step and the
+    wall rate one over the slowest rank's wall time per step (the job's clock), each times every rank's samples per
+    step. Otherwise (ranks that do not wait for each other) the ranks' rates add up."""
+    timed = [r for r in ranks if r.throughput.step_time_ms]
+    if not timed:
+        return Throughput()
+    batches = [r.throughput.samples_per_s / r.throughput.steps_per_s for r in timed if _sampled(r)]
+    walls = [r.wall.window_s / r.steps.measured for r in timed if r.wall and r.wall.window_s > 0 and r.steps.measured]
+    step_ms = max(r.throughput.step_time_ms or 0.0 for r in timed)
+    if synchronous(timed):
+        steps_per_s = 1e3 / step_ms
+        wall_steps = 1.0 / max(walls) if len(walls) == len(timed) else None
+        return Throughput(
+            steps_per_s=steps_per_s,
+            samples_per_s=sum(batches) * steps_per_s if batches else None,
+            wall_steps_per_s=wall_steps,
+            wall_samples_per_s=sum(batches) * wall_steps if batches and wall_steps else None,
+            step_time_ms=step_ms,
+        )
+    rates = [r.throughput.samples_per_s for r in timed if r.throughput.samples_per_s is not None]
+    wall_rates = [r.throughput.wall_samples_per_s for r in timed if r.throughput.wall_samples_per_s is not None]
+    wall_steps_list = [r.throughput.wall_steps_per_s for r in timed if r.throughput.wall_steps_per_s is not None]
+    return Throughput(
+        steps_per_s=min(r.throughput.steps_per_s or math.inf for r in timed),
+        samples_per_s=sum(rates) if rates else None,
+        wall_steps_per_s=min(wall_steps_list) if len(wall_steps_list) == len(timed) else None,
+        wall_samples_per_s=sum(wall_rates) if len(wall_rates) == len(rates) and wall_rates else None,
+        step_time_ms=step_ms,
+    )
+
+
+def _job_wall(ranks: list[RunSummary]) -> Wall | None:
+    """The wall window of the rank with the longest wall time per step: the job's clock (every rank's own stays in
+    its summary)."""
+    timed = [r for r in ranks if r.wall is not None and r.steps.measured]
+    if not timed:
+        return None
+    return max(timed, key=lambda r: r.wall.window_s / r.steps.measured).wall  # type: ignore[union-attr]
+
+
+def _sampled(summary: RunSummary) -> bool:
+    return bool(summary.throughput.samples_per_s and summary.throughput.steps_per_s)
+
+
 def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSummary:
     """One summary for the run: per-rank summaries in ``ranks``, cluster figures in ``cluster``."""
     if not ranks:
@@ -238,14 +286,11 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
     for r in ranks:
         names += [n for n in r.phases if n not in names]
     phases = {n: _merge_phase([r.phases[n] for r in ranks if n in r.phases]) for n in names}
-    rates = [r.throughput.samples_per_s for r in ranks]
-    step_rates = [r.throughput.steps_per_s for r in ranks if r.throughput.steps_per_s is not None]
-    step_times = [r.throughput.step_time_ms for r in ranks if r.throughput.step_time_ms is not None]
-    cluster_rate = sum(x for x in rates if x is not None) if any(x is not None for x in rates) else None
+    throughput = job_throughput(ranks)
     cluster = Cluster(
         world_size=world,
         ranks_reported=[_rank(r) for r in ranks],
-        samples_per_s=cluster_rate,
+        samples_per_s=throughput.samples_per_s,
         phases={
             n: {
                 "min_ms": min(v),
@@ -289,11 +334,8 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
             boundary=first.steps.boundary,
         ),
         phases=phases,
-        throughput=Throughput(
-            steps_per_s=min(step_rates) if step_rates else None,
-            samples_per_s=cluster_rate,
-            step_time_ms=max(step_times) if step_times else None,
-        ),
+        throughput=throughput,
+        wall=_job_wall(ranks),
         meta=meta,
         notes=notes,
         ranks=ranks,

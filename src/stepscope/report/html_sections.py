@@ -18,6 +18,7 @@ from stepscope.report.terminal import (
     rank_list,
     shown_ranks,
     split_contention,
+    wall_line,
 )
 from stepscope.summary import Fix, RunSummary
 
@@ -80,6 +81,10 @@ def _figures(summary: RunSummary) -> str:
         cards.append((fmt_number(t.steps_per_s), "steps/s"))
     if t.samples_per_s is not None:
         cards.append((fmt_number(t.samples_per_s), "samples/s" + (", all ranks" if summary.ranks else "")))
+    if wall_line(summary) is not None:  # the wall rate differs: validation passes or time between steps
+        rate = t.wall_samples_per_s if t.wall_samples_per_s is not None else t.wall_steps_per_s
+        unit = "samples/s" if t.wall_samples_per_s is not None else "steps/s"
+        cards.append((fmt_number(rate), f"{unit} over the wall window (validation included)"))
     if t.tflops is not None:
         achieved = f"{fmt_number(t.tflops)} TFLOP/s" if t.tflops >= 1 else f"{fmt_number(t.tflops * 1e3)} GFLOP/s"
         cards.append((achieved, "model FLOPs achieved"))

@@ -106,7 +106,8 @@ def hotspot_lines(summary: RunSummary, per_phase: int = 2) -> list[str]:
 
 
 def throughput_line(summary: RunSummary) -> str:
-    """One line: steps/s, samples/s, how many steps were measured and skipped."""
+    """One line: the step rate (steps/s, samples/s in training steps alone), how many steps were measured and
+    skipped; ``wall_line`` gives the wall rate beside it."""
     t = summary.throughput
     parts = []
     if t.steps_per_s is not None:
@@ -120,6 +121,23 @@ def throughput_line(summary: RunSummary) -> str:
     rate = ", ".join(parts) or "no rate"
     profiled = f", {summary.steps.profiled} profiled left out" if summary.steps.profiled else ""
     return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup}{profiled})"
+
+
+def wall_line(summary: RunSummary) -> str | None:
+    """The wall rate and where the measured window went, when it differs from the step rate by more than rounding
+    (validation passes, time in no step); None when the window is the steps."""
+    t, wall = summary.throughput, summary.wall
+    if wall is None or wall.window_s <= 0 or t.wall_steps_per_s is None or wall.steps_s >= 0.995 * wall.window_s:
+        return None
+    rates = [f"{t.wall_steps_per_s:.2f} steps/s"]
+    if t.wall_samples_per_s is not None:
+        rates.append(f"{t.wall_samples_per_s:.1f} samples/s")
+    parts = [f"training steps {100 * wall.steps_s / wall.window_s:.0f}%"]
+    if wall.eval_s:
+        parts.append(f"validation {100 * wall.eval_s / wall.window_s:.0f}%")
+    if wall.between_s >= 0.005 * wall.window_s:
+        parts.append(f"between steps {100 * wall.between_s / wall.window_s:.0f}%")
+    return f"wall rate: {', '.join(rates)} over the {wall.window_s:.2f} s measured ({', '.join(parts)})"
 
 
 def eval_line(summary: RunSummary) -> str | None:
@@ -336,9 +354,9 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
         for line in hotspot_lines(summary):
             console.print(terminal_safe(line), markup=False)
         console.print(terminal_safe(throughput_line(summary)), markup=False)
-        line = eval_line(summary)
-        if line:
-            console.print(terminal_safe(line), markup=False)
+        for line in (wall_line(summary), eval_line(summary)):
+            if line:
+                console.print(terminal_safe(line), markup=False)
         verdict = summary.verdict
         contention, rest = split_contention(verdict.evidence)
         evidence = f" ({'; '.join(rest)})" if rest else ""
