@@ -1,0 +1,149 @@
+"""The truth generator (bench/truth.py, issue 24): its CI subset, and the generator's and scorer's own logic.
+
+The CI subset runs ``stepscope doctor`` on five fixed cases (four single-rank, one 2-rank DDP over gloo) whose
+injected costs are all sleeps of ≥ 5 ms, so that a loaded machine cannot stretch them, and whose ground truth is
+the script's own timer (which a loaded machine stretches exactly as it stretches stepscope's figures). Each case
+takes a few seconds. The other tests check the generator and the scorer without running anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import truth
+from truth_score import RIGHT, WRONG, OwnFigures, score_fix, score_invariants, score_phases
+from truth_spec import Cost, LoaderSpec, StragglerSpec
+
+
+@pytest.mark.parametrize("spec", truth.ci_cases(), ids=lambda spec: spec.case_id)
+def test_ci_case_is_scored_right(spec: truth.CaseSpec, tmp_path: Path) -> None:
+    result = truth.run_case(spec, tmp_path)
+    wrong = {s.name: s.detail for s in result.scores if s.status != RIGHT}
+    out = (tmp_path / f"{spec.case_id}.out").read_text(errors="replace")[-4000:]
+    assert not wrong, f"{spec.blocks()}\nwrong: {wrong}\ncommand: {' '.join(result.command)}\n--- output ---\n{out}"
+
+
+def test_the_draw_is_seeded_and_composes_every_block() -> None:
+    specs = [truth.draw_case(3, i, ranks_share=0.2) for i in range(200)]
+    assert [s.blocks() for s in specs[:20]] == [truth.draw_case(3, i, ranks_share=0.2).blocks() for i in range(20)]
+    assert sum(s.ranks == 2 for s in specs) == 40  # exactly the share, so --only redraws the same case
+    causes = {s.cause.split(":")[0] for s in specs}
+    assert {"data", "forward", "backward", "optimizer", "other", "checkpoint", "log", "oversubscribed"} <= causes
+    assert "straggler" in causes
+    assert any(s.val for s in specs) and any(s.side for s in specs) and any(s.accum > 1 for s in specs)
+    assert any(ld.iterable for s in specs for ld in s.loaders) and any(len(s.loaders) == 3 for s in specs)
+    assert any(s.bg_load for s in specs) and any(s.optimizer_style == "wrapper" for s in specs)
+    for s in specs:
+        names = [ld.name for ld in s.loaders]
+        assert len(set(names)) == len(names), s.blocks()  # a loader fix's evidence can name the right one
+
+
+def test_every_generated_script_compiles_and_names_its_lines() -> None:
+    for i in range(200):
+        spec = truth.draw_case(5, i, ranks_share=0.2)
+        script = truth.write_script(spec)
+        compile(script.text, f"{spec.case_id}.py", "exec")
+        lines = script.text.splitlines()
+        if spec.checkpoint_mb:
+            assert "torch.save(" in lines[script.checkpoint_line - 1], spec.blocks()
+        if spec.log:
+            assert ("print(" if spec.log == "print" else "log.info(") in lines[script.log_line - 1], spec.blocks()
+
+
+def _records(intervals_ms: list[float], val_ms: dict[int, float] | None = None) -> list[dict[str, Any]]:
+    """Own records whose steps take the given times; step i's interval holds val_ms[i] of validation."""
+    records, t = [], 100.0
+    for i, ms in enumerate(intervals_ms):
+        val = (val_ms or {}).get(i, 0.0)
+        t += (ms + val) / 1e3
+        spans = {"forward": ms / 2e3}
+        records.append({"t": t, "val_s": val / 1e3, "spans": spans, "injected": {"forward": ms / 2e3}})
+    return records
+
+
+def test_own_figures_take_the_measured_window_less_its_last_step() -> None:
+    # 3 warm-up steps of 50 ms, 5 measured of 10 ms; the last is stretched by stepscope's own post-run work.
+    records = _records([50, 50, 50, 10, 10, 10, 10, 300], val_ms={4: 30})
+    own = truth.own_figures(records, warmup=3, measured=5)
+    assert own.steps == 4 and own.val_passes == 1
+    assert own.wall_s == pytest.approx(0.070)
+    assert own.step_rate == pytest.approx(100.0) and own.wall_rate == pytest.approx(4 / 0.070)
+    assert own.phases["forward"] == pytest.approx(5.0) and own.phases["other"] == pytest.approx(5.0)
+
+
+def _summary(**fields: Any) -> dict[str, Any]:
+    phases = {
+        "forward": {"mean_ms": 10.0, "share": 0.9, "steps": 40, "nested": False},
+        "other": {"mean_ms": 1.0, "share": 0.1, "steps": 40, "nested": False},
+        "total": {"mean_ms": 11.0, "share": 1.0, "steps": 40, "nested": False},
+    }
+    return {"steps": {"warmup": 5, "measured": 40}, "phases": phases, "eval": {}, "fixes": [], **fields}
+
+
+def _own(rank: int, val_passes: int) -> OwnFigures:
+    return OwnFigures(
+        rank=rank,
+        steps=39,
+        wall_s=0.5,
+        val_s=0.1 if val_passes else 0.0,
+        val_passes=val_passes,
+        phases={"data_wait": 0.1, "forward": 10.0, "backward": 0.2, "optimizer": 0.2, "zero_grad": 0.0, "other": 1.0},
+        injected={"forward": 9.8},
+        loader_wait={"ImagesDataset": 0.1},
+    )
+
+
+def _expectation(spec: truth.CaseSpec, val_passes: int = 0) -> truth.Expectation:
+    """The expectation of a case whose every rank took 10 ms in forward, 1 ms in other."""
+    own = [_own(rank, val_passes) for rank in range(spec.ranks)]
+    return truth.expect(spec, own, {"checkpoint": None, "log": None})
+
+
+def test_side_work_taken_for_validation_is_wrong() -> None:
+    spec = truth.CaseSpec("t", 0, 0, forward=Cost(5.0), side=truth.SideSpec("after", "metric", Cost(5.0)))
+    exp = _expectation(spec)
+    assert score_phases(_summary(), exp).status == RIGHT
+    assert score_phases(_summary(eval={"passes": 39}), exp).status == WRONG
+
+
+def test_eval_frequency_first_is_wrong_without_validation_and_right_with_it() -> None:
+    fix = {"id": "eval.frequency", "cost": "config", "gain_bound": 0.3, "evidence": []}
+    spec = truth.CaseSpec("t", 0, 0, forward=Cost(10.0))
+    summary = _summary(fixes=[fix], verdict={"bound": "compute", "confidence": "high", "evidence": []})
+    assert score_fix(summary, _expectation(spec), "t.py").status == WRONG
+    spec.val = truth.ValSpec(every=5, batches=2)
+    assert score_fix(summary, _expectation(spec, val_passes=8), "t.py").status == RIGHT
+
+
+def test_a_loader_fix_must_name_the_loader_that_waits() -> None:
+    spec = truth.CaseSpec("t", 0, 0, loaders=[LoaderSpec("ImagesDataset", cost=Cost(10.0))], cause="data")
+    exp = _expectation(spec)
+    exp.causes = {"data": "data", "balanced": "data"}
+    verdict = {"bound": "data", "confidence": "high", "evidence": []}
+    named = {"id": "loader.num_workers", "cost": "config", "gain_bound": 0.8, "evidence": ["loader 0 (ImagesDataset)"]}
+    other = {**named, "evidence": ["loader 1 (HeldOutDataset) has num_workers=0"]}
+    assert score_fix(_summary(fixes=[named], verdict=verdict), exp, "t.py").status == RIGHT
+    assert score_fix(_summary(fixes=[other], verdict=verdict), exp, "t.py").status == WRONG
+
+
+def test_invariants_catch_shares_over_one_and_phases_that_do_not_add_up() -> None:
+    assert score_invariants(_summary()).status == RIGHT
+    bad = _summary()
+    bad["phases"]["other"]["mean_ms"] = 3.0  # 10 + 3 != 11
+    assert score_invariants(bad).status == WRONG
+    assert score_invariants(_summary(invariants=["eval passes exceed steps"])).status == WRONG
+
+
+def test_a_straggler_must_be_named_by_rank_and_phase() -> None:
+    spec = truth.CaseSpec("t", 0, 0, ranks=2, straggler=StragglerSpec(1, "forward", Cost(8.0)))
+    exp = _expectation(spec)
+    exp.checks = []
+    named = {"cluster": {"straggler": {"rank": 1, "phase": "forward"}}}
+    assert score_phases(_summary(**named), exp).status == RIGHT
+    assert score_phases(_summary(cluster={"straggler": {"rank": 0, "phase": "forward"}}), exp).status == WRONG
