@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from stepscope.invariants import broken
 from stepscope.summary import RunSummary
 
 TESTS = Path(__file__).resolve().parent
@@ -122,8 +123,9 @@ def line_starting(text: str, word: str) -> str | None:
 
 
 def check_consistent(summary: RunSummary, result: RunResult | None = None) -> None:
-    """Invariants every single-rank summary with measured steps must hold."""
+    """Invariants every single-rank summary with measured steps must hold (the product's own, and these)."""
     msg = result.describe() if result is not None else ""
+    assert broken(summary) == [], f"{broken(summary)}\n{msg}"
     phases = summary.phases
     assert "total" in phases, msg
     assert phases["total"].share == 1.0 or abs(phases["total"].share - 1.0) < 1e-9, msg

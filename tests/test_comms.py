@@ -144,6 +144,43 @@ def test_doctor_blames_the_slow_loader_of_rank_1_not_rank_0s_wait(tmp_path):
     assert re.search(r"^verdict: data \(confidence (high|medium)\)", r.stdout, re.MULTILINE), r.describe()
 
 
+def test_one_ranks_side_work_every_step_stays_in_its_step_and_the_job_rate_is_the_jobs(tmp_path):
+    # Issue 24's job: after every optimizer step rank 1 runs 6 forwards without gradients of a second model (1.5 ms
+    # each, a metric). Read as validation, they left rank 1 a 2 ms step beside rank 0's 25 ms, the job's samples/s
+    # several times its own, and the verdict comms. It is rank 1's step work: the job waits for it.
+    launcher = [
+        *torchrun(),
+        script("ddp.py"),
+        "--sample-ms",
+        "0",
+        "--extra-ms",
+        "0",
+        "--side-forwards",
+        "6",
+        "--side-ms",
+        "1.5",
+    ]
+    r = stepscope_run(
+        tmp_path, "--ceiling-batches", "0", "--", *launcher, warmup=5, steps=30, timeout=180, verb="doctor"
+    )
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    by_rank = {x.meta.rank: x for x in s.ranks}
+    assert all(x.eval == {} for x in s.ranks), [x.eval for x in s.ranks]
+    side_ms = 6 * 1.5  # sleep-based: load makes it longer, never shorter
+    assert by_rank[1].phases["forward"].mean_ms >= side_ms, r.describe()
+    step_ms = [x.phases["total"].mean_ms for x in s.ranks]
+    assert min(step_ms) >= side_ms and max(step_ms) <= 1.25 * min(step_ms), (step_ms, r.describe())
+    # The job's rate: 16 samples per job step, never above what the slower rank's step allows.
+    assert s.throughput.samples_per_s == pytest.approx(16e3 / max(step_ms), rel=1e-6), r.describe()
+    assert s.throughput.wall_samples_per_s <= s.throughput.samples_per_s * (1 + 1e-9)
+    assert s.cluster.straggler is not None and s.cluster.straggler.rank == 1, (s.cluster.straggler, r.describe())
+    assert s.cluster.straggler.phase == "forward", (s.cluster.straggler, r.describe())
+    assert s.verdict.bound == "compute", (s.verdict, r.describe())
+    assert not s.fixes or s.fixes[0].id not in ("eval.frequency", "ddp.gradient_as_bucket_view"), s.fixes
+    assert s.invariants == [], s.invariants
+
+
 def test_explicit_collectives_are_comms(tmp_path):
     # Rank 1 sleeps 10 ms after backward (its `other`); rank 0 waits that long in all_reduce, Work.wait, barrier.
     launcher = [*torchrun(), script("collectives.py"), "--sleep-ms", "10"]

@@ -4,7 +4,8 @@ Every sample sleeps --sample-ms in __getitem__; on rank --slow-rank (or, on a mu
 local rank --slow-local-rank) it sleeps --extra-ms more, so that rank is the straggler and the time it loses is
 spent in data_wait (and its loader ceiling is the lower one). With --slurm it is one task of ``srun`` (no
 torchrun): its rank and world size come from SLURM_PROCID/SLURM_NTASKS, as Slurm job scripts do it.
-"ddp: rank N trained" is printed only after the last epoch.
+"ddp: rank N trained" is printed only after the last epoch. With --side-forwards N, rank --side-rank runs N
+forwards without gradients of a second model after every optimizer step (a metric), each sleeping --side-ms.
 """
 
 import argparse
@@ -34,6 +35,17 @@ class SleepyDataset(Dataset):
         return self.x[i], self.y[i]
 
 
+class SideModel(nn.Module):
+    def __init__(self, forward_ms: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.forward_s = forward_ms / 1000
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.forward_s)
+        return self.linear(x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sample-ms", type=float, default=0.5)
@@ -44,6 +56,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--side-forwards", type=int, default=0)
+    parser.add_argument("--side-ms", type=float, default=1.0)
+    parser.add_argument("--side-rank", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -65,6 +80,14 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    metric = SideModel(args.side_ms)  # a second model, off DDP
+    side_forwards = args.side_forwards if rank == args.side_rank else 0
+
+    def side_work(x: torch.Tensor) -> None:
+        with torch.no_grad():
+            for _ in range(side_forwards):
+                metric(x)
+
     try:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
@@ -73,6 +96,7 @@ def main() -> None:
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 optimizer.step()
+                side_work(x)
         print(f"ddp: rank {rank} trained", flush=True)
     finally:
         dist.destroy_process_group()
