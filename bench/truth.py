@@ -8,6 +8,7 @@ Each case is drawn from a seeded RNG (bench/truth_spec.py), written as a plain t
     .venv/bin/python bench/truth.py --cases 40 --seed 1 --out /tmp/truth   # keep scripts, summaries, results
     .venv/bin/python bench/truth.py --seed 1 --only c007 --out /tmp/truth  # one case again
     .venv/bin/python bench/truth.py --ci                                   # the fixed CI subset
+    .venv/bin/python bench/truth.py --cases 40 --seed 1 --out /tmp/truth --rescore   # score kept runs again
 
 Building blocks: costs (sleep, or a busy CPU loop) in the data (a Dataset's ``__getitem__`` or a collate_fn),
 forward (the model's forward), backward (a custom autograd Function), optimizer (an SGD subclass, or an Optimizer
@@ -22,10 +23,14 @@ on 2 cores; busy-loop processes beside the run (``--load``: two on every case).
 Ground truth is the script's own timer: per optimizer step its end time (``perf_counter``), the time spent in
 its own validation since the previous step's end, the time each phase's calls took (a timer around every
 fetch, forward, backward, optimizer step and zero_grad: the injected cost plus the tiny model's own time and
-stepscope's hooks, i.e. "expected = injected + base", the base measured) and the injected costs as spent. The
-scorer takes the measured window (steps ``warmup+1 .. warmup+measured``, ``steps.measured`` of the summary),
-from the end of the last warm-up step to the end of the last measured one: own step rate = steps / (wall − own
-validation time), own wall rate = steps / wall; own ``other`` = each interval − validation − the timed calls.
+stepscope's hooks, i.e. "expected = injected + base", the base measured) and the injected costs as spent (a
+loaded machine stretches a busy loop, or a sleep's wake-up, for the script's clock as for stepscope's). The
+scorer takes the measured window (``steps.warmup`` and ``steps.measured`` of the summary) from the end of the
+last warm-up step, less the last measured step: the doctor does its own work (the loader ceiling) inside the
+script's last ``optimizer.step()`` call, after stepscope closed the step, which the script's clock cannot tell
+apart. Own step rate = steps / (wall − own validation time), own wall rate = steps / wall; own ``other`` = each
+interval − validation − the timed calls. ``--plain`` runs the scripts without stepscope and prints their own
+figures beside the injected ones: the generator's own check.
 
 Scores (right / wrong / n/a per case; the table gives % right over the applicable cases):
 
@@ -35,35 +40,40 @@ Scores (right / wrong / n/a per case; the table gives % right over the applicabl
 2. **phases**: each phase an injected cost lands in has ``phases[p].mean_ms`` (2-rank: each rank's row in
    ``ranks``; backward there is ``backward + comms``, since the script's timer around ``loss.backward()`` holds
    DDP's all-reduce wait) within ±15% or ±0.3 ms (whichever is larger) of the own figure; with validation,
-   ``eval.passes`` within ±1 of the validations that ran in the window; without, no pass at all (per-step side
-   work taken for validation fails here); a 2-rank straggler named in ``cluster.straggler`` (rank and phase;
-   a rank-0-only checkpoint or log: rank 0, ``other``).
+   the summary's (the job's) ``eval.passes`` within ±1 of the validations that ran in the window; without, no
+   pass at all (per-step side work taken for validation fails here); a 2-rank straggler named in
+   ``cluster.straggler`` (rank and phase; a rank-0-only checkpoint or log: rank 0, ``other``).
 3. **bound**: ``verdict.bound`` is the group of the largest own time (data_wait/h2d → data, forward/backward →
-   compute, optimizer/zero_grad/clip → optimizer, other/sync → host; ``balanced`` is also right when that group
-   is under 45% of the step, the runner-up group too when within 15% of it); with a straggler, the group of its
-   phase; own-worker oversubscription → data (its data_wait dominates); with busy loops beside the run, also
-   right: "the machine is oversubscribed" in the evidence with the confidence below high.
-4. **first fix**: the primary cause is the bound's: for ``data``, the loader with the most own data_wait. The fix
-   ids aimed at each cause:
+   compute, optimizer/zero_grad/clip → optimizer, other/sync → host; 2-rank: each phase's mean over the ranks,
+   backward the least rank's, which waited least in it; ``balanced`` is also right when that group is under 45%
+   of the step, the runner-up group too when within 15% of it); with an injected straggler, the group of its
+   phase; 2-rank, also the group of any phase where one rank's own time is ≥ 10% of the step above the other's
+   (a real straggler, which load can make of symmetric costs); own-worker oversubscription → data (its
+   data_wait dominates); with busy loops beside the run, also right: "the machine is oversubscribed" in the
+   evidence with the confidence below high.
+4. **first fix**: aimed at the cause of the verdict's bound when that bound is right (score 3), else at the
+   cause of the expected bound. The fix ids aimed at each kind of cause:
 
-   - data (a main-process loader's cost): ``loader.num_workers``, ``loader.io_bound``,
-     ``loader.transform_bound``, ``loader.prefetch``; the evidence must name the loader's Dataset class;
+   - data (loader costs): ``loader.num_workers``, ``loader.io_bound``, ``loader.transform_bound``,
+     ``loader.prefetch``; the evidence must name the Dataset class of the loader with the most own data_wait;
    - own oversubscription (4–6 CPU-bound workers on 2 cores): ``loader.too_many_workers``, ``host.threads``,
      ``loader.transform_bound`` (a ``loader.*`` one naming the Dataset class);
    - optimizer (its step sleeps/burns): ``optimizer.fused``, ``optimizer.foreach`` (the catalogue's only fixes of
      the optimizer step's time);
    - checkpoint every step: ``host.checkpoint_every_step``, naming ``CASE.py:LINE`` of the ``torch.save``;
    - log line every step: ``host.log_every_step``, naming ``CASE.py:LINE`` of the print/logging call;
-   - validation (secondary only: it is not step time): ``eval.frequency``;
-   - no catalogued fix: compute (sleeps/busy loops in forward or backward; the catalogue's compute fixes are
-     GPU ones) and plain Python in the loop body (``other``).
+   - validation (never the bound: it is not step time): ``eval.frequency``;
+   - no catalogued fix: compute (sleeps/busy loops in forward or backward, side work; the catalogue's compute
+     fixes are GPU ones, and DDP's are about gradient copies of a 68-parameter model) and plain Python in the
+     loop body (``other``).
 
-   Right when ``fixes[0]`` is aimed at the primary cause (2-rank straggler: its evidence names the rank); or when
-   it is aimed at a secondary injected cause (data or optimizer ≥ 10% of the step, checkpoint/log ≥ 10%, any
-   validation) and is cheaper (config < code < infra) than the first fix aimed at the primary, or the primary
-   has none; or, when the primary has no catalogued fix, when there is no fix or the first is bounded under 5%
-   (the doctor's "noise" tail). Wrong otherwise: e.g. ``eval.frequency`` without validation, a loader fix when
-   data_wait is small, ``host.threads`` without oversubscription.
+   Right when ``fixes[0]`` is aimed at that cause (its evidence naming the loader or line above, and for an
+   injected straggler's cause the rank); or when it is aimed at another injected cause with a fix (data or
+   optimizer ≥ 5% of the step, checkpoint/log ≥ 5%, any validation; a loader fix naming the right loader) and
+   the cause has no catalogued fix, or its first aimed fix costs more (config < code < infra: the doctor ranks
+   cheapest first); or, when the cause has no catalogued fix, when there is no fix or the first is bounded
+   under 5% (the doctor's "noise" tail). Wrong otherwise: e.g. ``eval.frequency`` without validation, a loader
+   fix when data_wait is small or not injected, ``host.threads`` without oversubscription.
 5. **invariants**, computed from the JSON on the job and on every rank: each share ≤ 100% (+0.5%), each phase
    mean ≤ the step mean (+0.5%), the top-level phases' means (weighted by the steps they ran in) adding up to the
    step mean within 1%; 2-rank: the ranks' step means within 10% of each other; no more validation passes than
@@ -242,20 +252,23 @@ def _read_own(spec: CaseSpec, truth_prefix: Path, summary: dict[str, Any]) -> li
     return own
 
 
-def run_case(spec: CaseSpec, folder: Path, timeout: float = CASE_TIMEOUT_S) -> CaseResult:
-    """Writes the case's script into ``folder``, runs the doctor on it (beside its busy loops) and scores it."""
+def run_case(spec: CaseSpec, folder: Path, timeout: float = CASE_TIMEOUT_S, rescore: bool = False) -> CaseResult:
+    """Writes the case's script into ``folder``, runs the doctor on it (beside its busy loops) and scores it
+    (``rescore``: scores what an earlier run left in ``folder``, without running)."""
     folder.mkdir(parents=True, exist_ok=True)
     script: Script = write_script(spec)
     path = folder / f"{spec.case_id}.py"
-    path.write_text(script.text)
     json_path, truth_prefix = folder / f"{spec.case_id}.json", folder / f"{spec.case_id}.truth"
-    for stale in [json_path, *folder.glob(f"{spec.case_id}.truth*")]:
-        stale.unlink(missing_ok=True)
     cmd = doctor_command(spec, path, json_path, truth_prefix)
-    start = time.perf_counter()
-    with busy_loops(spec.bg_load):
-        rc, why = _run(cmd, folder, folder / f"{spec.case_id}.out", timeout)
-    seconds = time.perf_counter() - start
+    rc, why, seconds = 0, "", 0.0
+    if not rescore:
+        path.write_text(script.text)
+        for stale in [json_path, *folder.glob(f"{spec.case_id}.truth*")]:
+            stale.unlink(missing_ok=True)
+        start = time.perf_counter()
+        with busy_loops(spec.bg_load):
+            rc, why = _run(cmd, folder, folder / f"{spec.case_id}.out", timeout)
+        seconds = time.perf_counter() - start
     result = CaseResult(spec, folder, cmd, rc, seconds, [])
     if not json_path.exists():
         result.scores = failed_run(f"no summary (exit code {rc}{'; ' + why if why else ''})")
@@ -374,6 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", help="comma-separated case ids (c007) or indices")
     parser.add_argument("--jobs", type=int, default=1, help="cases at once (1: others would skew the timings)")
     parser.add_argument("--ci", action="store_true", help="run the CI subset's fixed cases instead")
+    parser.add_argument("--rescore", action="store_true", help="score what an earlier run left in --out again")
     parser.add_argument("--plain", action="store_true", help="run the scripts without stepscope: own figures only")
     parser.add_argument("--timeout", type=float, default=CASE_TIMEOUT_S, help="seconds per case")
     return parser.parse_args(argv)
@@ -391,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         results = _run_all(specs, root, args)
         if args.out:
-            with open(root / "results.jsonl", "w") as f:
+            name = "results.rescored.jsonl" if args.rescore else "results.jsonl"  # keep the run's timings
+            with open(root / name, "w") as f:
                 f.writelines(json.dumps(r.to_dict()) + "\n" for r in results)
         print(table(results))
         wrong = failures(results, args)
@@ -405,7 +420,7 @@ def _run_all(specs: list[CaseSpec], root: Path, args: argparse.Namespace) -> lis
     from concurrent.futures import ThreadPoolExecutor
 
     def one(spec: CaseSpec) -> CaseResult:
-        result = run_case(spec, root / spec.case_id, args.timeout)
+        result = run_case(spec, root / spec.case_id, args.timeout, rescore=args.rescore)
         marks = "".join("." if s.status == RIGHT else "-" if s.status == NA else "x" for s in result.scores)
         print(f"{spec.case_id} {marks} {result.seconds:5.1f}s {spec.blocks()}", flush=True)
         return result

@@ -98,7 +98,7 @@ class Expectation:
     fix_lines: dict[str, int]  # "checkpoint"/"log" -> the script line a host fix must name
     fix_rank: int | None  # the rank a fix aimed at the straggler's cause must name
     straggler_group: str | None
-    secondary: dict[str, float] = field(default_factory=dict)  # other injected causes: kind -> share
+    secondary: dict[str, float] = field(default_factory=dict)  # injected causes with a fix: kind -> share
     step_rate: float = 0.0
     wall_rate: float = 0.0
 
@@ -239,17 +239,17 @@ def _cause(spec: CaseSpec, lead: OwnFigures, group: str) -> str:
     return group
 
 
-def _secondary(spec: CaseSpec, own: OwnFigures, causes: set[str]) -> dict[str, float]:
-    """Other injected causes with a catalogued fix, and their share (validation: of wall time)."""
+def _injected_causes(spec: CaseSpec, own: OwnFigures) -> dict[str, float]:
+    """The injected causes with a catalogued fix that are large enough to be fixed first, and their share (of the
+    step; validation: of wall time). The primary is among them; the scorer skips it."""
     step = own.step_ms
     out = {}
-    data_injected = any(ld.cost for ld in spec.loaders)
-    if "data" not in causes and own.phases["data_wait"] / step >= SECONDARY_SHARE and data_injected:
+    if own.phases["data_wait"] / step >= SECONDARY_SHARE and any(ld.cost for ld in spec.loaders):
         out["data"] = own.phases["data_wait"] / step
-    if "optimizer" not in causes and own.phases["optimizer"] / step >= SECONDARY_SHARE and spec.optimizer:
+    if own.phases["optimizer"] / step >= SECONDARY_SHARE and spec.optimizer:
         out["optimizer"] = own.phases["optimizer"] / step
     for kind in ("checkpoint", "log"):
-        if kind not in causes and own.injected.get(kind, 0.0) / step >= SECONDARY_SHARE:
+        if own.injected.get(kind, 0.0) / step >= SECONDARY_SHARE:
             out[kind] = own.injected[kind] / step
     if spec.val and own.val_s > 0:
         out["validation"] = own.val_s / own.wall_s
@@ -286,7 +286,7 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         fix_lines={k: v for k, v in script_line.items() if v is not None},
         fix_rank=s.rank if s is not None else None,
         straggler_group=bound_ok[0] if s is not None else None,
-        secondary=_secondary(spec, lead, set(causes.values())),
+        secondary=_injected_causes(spec, lead),
         step_rate=min(o.step_rate for o in own),
         wall_rate=min(o.wall_rate for o in own),
     )
@@ -344,9 +344,11 @@ def score_phases(summary: dict[str, Any], exp: Expectation) -> Score:
         if not _within(got, check.expected_ms, PHASE_REL, PHASE_ABS):
             problems.append(text)
     passes = int((summary.get("eval") or {}).get("passes") or 0)
-    shown.append(f"eval passes {passes} vs own {exp.val_passes}")
+    per_rank = [int((r.get("eval") or {}).get("passes") or 0) for _, r in sorted(rows.items())]
+    ranks_said = f" (the ranks' rows: {per_rank})" if per_rank else ""
+    shown.append(f"eval passes {passes} vs own {exp.val_passes}{ranks_said}")
     if exp.val_passes and abs(passes - exp.val_passes) > 1:
-        problems.append(f"eval passes {passes} vs own {exp.val_passes}")
+        problems.append(f"eval passes {passes} vs own {exp.val_passes}{ranks_said}")
     elif not exp.val_passes and passes:
         problems.append(f"eval passes {passes}, but no validation ran in the window (side work taken for it?)")
     if exp.straggler is not None:
@@ -409,7 +411,7 @@ def score_fix(summary: dict[str, Any], exp: Expectation, script: str) -> Score:
         missing = _names(first, exp, cause, rank_needed, script)
         text += f"; evidence misses {missing}" if missing else ""
         return Score("first fix", WRONG if missing else RIGHT, text)
-    kind = _aimed_kind(first, list(exp.secondary))
+    kind = _aimed_kind(first, [k for k in exp.secondary if k != cause])
     if kind is not None:
         missing = _names(first, exp, kind, False, script)
         primary = next((f for f in fixes if f["id"] in aimed), None)

@@ -288,12 +288,13 @@ def ci_cases() -> list[CaseSpec]:
             cause="backward",
         ),
         CaseSpec(
-            "ci-ddp-straggler",
+            "ci-ddp-straggler-val",
             0,
             4,
             ranks=2,
             loaders=[LoaderSpec("ImagesDataset", cost=s(5.0))],
             straggler=StragglerSpec(1, "data_wait", s(10.0)),
+            val=ValSpec(every=5, batches=2, cost=s(5.0)),
             cause="straggler:data_wait",
         ),
     ]

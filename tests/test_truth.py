@@ -1,9 +1,10 @@
 """The truth generator (bench/truth.py, issue 24): its CI subset, and the generator's and scorer's own logic.
 
-The CI subset runs ``stepscope doctor`` on five fixed cases (four single-rank, one 2-rank DDP over gloo) whose
-injected costs are all sleeps of ≥ 5 ms, so that a loaded machine cannot stretch them, and whose ground truth is
-the script's own timer (which a loaded machine stretches exactly as it stretches stepscope's figures). Each case
-takes a few seconds. The other tests check the generator and the scorer without running anything.
+The CI subset runs ``stepscope doctor`` on five fixed cases (four single-rank, one 2-rank DDP over gloo with a
+straggler and validation) whose injected costs are all sleeps of ≥ 5 ms, so that a loaded machine cannot stretch
+them, and whose ground truth is the script's own timer (which a loaded machine stretches exactly as it stretches
+stepscope's figures). Each case takes a few seconds (the five: ~30 s on a quiet 2-core VM, ~50 s beside two busy
+loops), and every score must be right. The other tests check the generator and the scorer without running anything.
 """
 
 from __future__ import annotations
