@@ -3,6 +3,7 @@ and the threads-vs-workers rules; end to end on real scripts, with and without a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -19,8 +20,11 @@ from stepscope.collectors.host import (
     parse_involuntary_switches,
     parse_proc_stat,
     parse_schedstat,
+    parse_timeslices,
+    per_wait_us,
 )
-from stepscope.collectors.signals import cpu_contention, derive_signals
+from stepscope.collectors.signals import CONTENTION_PCT, cpu_contention, cpu_wait_pct, derive_signals
+from stepscope.collectors.stats import fold
 from stepscope.doctor.rules import Case, diagnose
 from stepscope.doctor.verdict import OVERSUBSCRIBED, classify
 from stepscope.report.terminal import print_summary, split_contention
@@ -67,6 +71,13 @@ def test_schedstat_and_status_fields():
     assert parse_involuntary_switches("Name:\tx\n") is None
 
 
+def test_schedstat_timeslices_give_the_delay_per_wait():
+    assert parse_timeslices("22735607 5973944 93\n") == 93  # the third field: times put on a CPU
+    # 20% of wall time waiting over 2,000 waits a second: 200 ms / 2,000 = 100 µs per wait.
+    assert per_wait_us(20.0, 2000.0) == pytest.approx(100.0)
+    assert per_wait_us(20.0, 0.0) is None and per_wait_us(None, 10.0) is None
+
+
 # -- measured on this machine -----------------------------------------------------------------------------------
 
 
@@ -92,6 +103,31 @@ def test_a_sleeping_thread_accrues_no_run_delay():
     assert readings["host/load_1m"] >= 0
 
 
+def _wake_often(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.0002)  # thousands of wake-ups a second, as a loader that reads small samples
+
+
+def _main_thread(readings: dict[str, float]) -> dict[str, float | None]:
+    """The main thread's figures of a host section, from one sample's readings."""
+    delay = readings["host/run_delay_main"]
+    return {
+        "run_delay_main_thread_pct": delay,
+        "run_delay_main_thread_per_wait_us": per_wait_us(delay, readings["host/run_waits_main"]),
+    }
+
+
+@pytest.mark.skipif(not LINUX_SCHEDSTAT, reason="needs /proc/<pid>/task/<tid>/schedstat")
+def test_frequent_wakeups_are_not_waits_for_a_cpu():
+    # Scheduling latency of a wake-up: 4-25 µs per wait on the 2-core VM, quiet or beside a busy loop on every core
+    # (a woken sleeper runs ahead of the loops), under WAKEUP_LATENCY_US: none of it counts as waiting for a CPU.
+    readings = _host_readings(_wake_often, 1.0)
+    assert readings["host/run_waits_main"] >= 500, readings  # ~2,000 sleeps a second, a wait in the run queue each
+    wait = cpu_wait_pct(_main_thread(readings), "main_thread")
+    assert wait is not None and wait < CONTENTION_PCT / 2, readings
+
+
 @pytest.mark.skipif(not LINUX_SCHEDSTAT, reason="needs /proc/<pid>/task/<tid>/schedstat")
 def test_a_spinning_thread_beside_a_burner_waits_for_a_cpu(burner):
     # CORES + 1 runnable tasks (this thread, the burners) share CORES cores: each runs at most CORES/(CORES+1) of
@@ -102,6 +138,10 @@ def test_a_spinning_thread_beside_a_burner_waits_for_a_cpu(burner):
     assert readings["host/run_delay_process"] >= readings["host/run_delay_main"] - 0.5, readings
     assert readings["host/others_cpu_util"] >= 50.0 * CORES, readings  # the burners: ~100% of each core
     assert readings.get("host/nvcsw_per_s", 0.0) > 0, readings
+    # Preempted by the burners, it waits a timeslice at a time (3.6-7.6 ms per wait measured): nearly all of it is
+    # waiting for a CPU, not the latency of waking up.
+    wait = cpu_wait_pct(_main_thread(readings), "main_thread")
+    assert wait is not None and wait >= 0.8 * readings["host/run_delay_main"], readings
 
 
 @pytest.mark.skipif(not LINUX_SCHEDSTAT, reason="needs /proc/<pid>/task/<tid>/schedstat")
@@ -110,8 +150,6 @@ def test_section_reports_run_delay_per_process_group():
     t = time.monotonic()
     source.start(t)
     stats: dict[str, Any] = {}
-    from stepscope.collectors.stats import fold
-
     for _ in range(3):
         time.sleep(0.2)
         fold(stats, source.read(time.monotonic()))
@@ -120,6 +158,18 @@ def test_section_reports_run_delay_per_process_group():
         assert section[key] is not None, (key, section)
     assert section["machine_cores"] == os.cpu_count()
     assert source.notes == []
+
+
+def test_section_reports_the_delay_per_wait_of_each_group():
+    source = HostSource()
+    stats: dict[str, Any] = {}
+    for delay, waits in ((10.0, 500.0), (30.0, 1500.0)):  # means: 20% over 1,000 waits/s = 200 µs per wait
+        fold(stats, {"host/run_delay_main": delay, "host/run_waits_main": waits})
+    fold(stats, {"host/run_delay_process": 5.0, "host/run_waits_process": 10_000.0})
+    section = source.section(stats)
+    assert section["run_delay_main_thread_per_wait_us"] == 200.0
+    assert section["run_delay_process_per_wait_us"] == 5.0
+    assert section["run_delay_workers_per_wait_us"] is None  # no workers sampled
 
 
 # -- the signal on exact inputs ---------------------------------------------------------------------------------
@@ -142,6 +192,23 @@ def host(**changes: Any) -> dict[str, Any]:
         "load_avg_1m": 3.5,
     }
     return {**base, **changes}
+
+
+# 6 CPU-bound loader workers and torch.set_num_threads(1) on a quiet 2-core VM (measured 2026-11-26).
+OWN_WORKERS = host(
+    cpu_util_pct=45.0,
+    workers_cpu_util_pct=136.0,
+    workers_max=6,
+    workers_busy_avg=6.0,
+    run_delay_main_thread_pct=42.0,
+    run_delay_main_thread_per_wait_us=330.0,
+    run_delay_process_pct=53.0,
+    run_delay_process_per_wait_us=310.0,
+    run_delay_workers_pct=152.0,
+    run_delay_workers_per_wait_us=690.0,
+    others_cpu_util_pct=7.0,
+    load_avg_1m=1.2,
+)
 
 
 def test_no_contention_below_the_thresholds():
@@ -177,6 +244,38 @@ def test_both_causes_and_steal():
                                  steal_pct=8.0))  # fmt: skip
     assert stolen is not None and stolen["cause"] == "others"
     assert "the hypervisor stole 8%" in stolen["evidence"]
+
+
+def test_frequent_wakeups_on_a_quiet_machine_are_not_contention():
+    # A loader that sleeps 0.4 ms per sample on a quiet machine (load 0.4): its threads wake thousands of times a
+    # second and wait 11% of wall time (summed), 20-30 µs per wait: scheduling latency, not a missing CPU.
+    quiet = host(run_delay_process_pct=11.0, run_delay_process_per_wait_us=23.0, run_delay_main_thread_pct=8.0,
+                 run_delay_main_thread_per_wait_us=20.0, run_delay_workers_pct=25.0,
+                 run_delay_workers_per_wait_us=31.0, others_cpu_util_pct=2.0, load_avg_1m=0.4)  # fmt: skip
+    assert cpu_contention(quiet) is None
+    assert cpu_wait_pct(quiet, "process") == 0.0  # under WAKEUP_LATENCY_US per wait: all of it wake-up latency
+    # The same delay in waits of 1 ms and 0.7 ms: 95% and 93% of it beyond wake-up latency, the threads were kept
+    # from a CPU (10.45% ≥ 10% for the process, 23.2% ≥ 10% × 2 busy workers).
+    long_waits = {**quiet, "run_delay_process_per_wait_us": 1000.0, "run_delay_workers_per_wait_us": 700.0}
+    assert cpu_wait_pct(long_waits, "process") == pytest.approx(10.45)
+    signal = cpu_contention(long_waits)
+    assert signal is not None
+    assert "waited for a CPU 11% of wall time (summed, 1000 µs per wait), its main thread 8%" in signal["evidence"]
+    assert "loader workers 25% (summed over 2 worker(s), 700 µs per wait)" in signal["evidence"]
+    # A summary from before the per-wait figure was measured counts every wait, as it did.
+    assert cpu_wait_pct(host(run_delay_process_pct=11.0), "process") == 11.0
+
+
+def test_the_main_thread_waiting_for_the_jobs_own_workers_is_charged_to_them():
+    signal = cpu_contention(OWN_WORKERS)
+    assert signal is not None and signal["cause"] == "workers"
+    assert "its main thread 42% (330 µs per wait)" in signal["evidence"]
+    assert "this job's loader workers hold the cores its main thread waits for" in signal["evidence"]
+
+
+def test_busy_workers_beside_a_busier_machine_stay_the_others_load():
+    signal = cpu_contention({**OWN_WORKERS, "others_cpu_util_pct": 170.0})
+    assert signal is not None and signal["cause"] in ("others", "both")
 
 
 def test_derive_signals_includes_contention_after_three_samples():
@@ -230,6 +329,61 @@ def test_a_balanced_step_on_a_busy_machine_says_so_too():
     verdict = classify(contended({"data_wait": 0.3, "forward": 0.35, "optimizer": 0.35}))
     assert (verdict.bound, verdict.confidence) == ("balanced", "low")
     assert verdict.evidence[0].startswith(OVERSUBSCRIBED)
+
+
+def own_workers(phases: dict[str, float], timing: str = "host") -> RunSummary:
+    summary = make_summary(phases, timing=timing, loaders=[loader(num_workers=6)],
+                           facts={"threads": threads_fact(torch_threads=1, cores=2)})  # fmt: skip
+    summary.system = {"samples": 20, "host": OWN_WORKERS, "signals": [cpu_contention(OWN_WORKERS)]}
+    return summary
+
+
+def test_a_cpu_held_by_the_jobs_own_workers_makes_the_step_data_bound():
+    # The issue's run: a forward that needs microseconds reads milliseconds, 69% of the step is "compute", because
+    # the main thread waited 42% of wall time for the cores its 6 loader workers held.
+    summary = own_workers({"data_wait": 0.18, "forward": 0.23, "backward": 0.46, "optimizer": 0.08, "other": 0.05})
+    verdict = classify(summary)
+    assert verdict.bound == "data", verdict
+    # The wait beyond wake-up latency: 42% × (1 - 50/330) = 35.6%; the workers' part of it, by the CPU they used
+    # beside other processes (136 of 143%): 33.9%. Data: 18% + 33.9% = 52%.
+    assert verdict.confidence == "medium"
+    assert not any(e.startswith(OVERSUBSCRIBED) for e in verdict.evidence), verdict.evidence
+    assert verdict.evidence[0].startswith(
+        "the main thread waited for a CPU 42% of wall time (330 µs per wait, 36% beyond the latency of waking up)"
+    )
+    assert "6 loader worker(s) used 136% CPU of its 2 usable core(s) and other processes 7%" in verdict.evidence[0]
+    assert "part of that wait (95%, by the CPU they used)" in verdict.evidence[0]
+    assert verdict.evidence[0].endswith("data 52% of the step, compute 40%, optimizer 5%, host 3%"), verdict.evidence
+    assert any(e.startswith("data_wait is 18% of the step") for e in verdict.evidence)
+
+
+def test_more_intra_op_threads_than_cores_keep_the_wait_contention():
+    # 4 torch threads on 2 cores would keep the main thread waiting without any worker: not the workers' alone.
+    summary = own_workers({"data_wait": 0.18, "forward": 0.23, "backward": 0.46, "optimizer": 0.08, "other": 0.05})
+    summary.facts["threads"] = threads_fact(torch_threads=4, cores=2)
+    verdict = classify(summary)
+    assert (verdict.bound, verdict.confidence) == ("compute", "medium"), verdict
+    assert verdict.evidence[0].startswith(OVERSUBSCRIBED), verdict.evidence
+
+
+def test_a_compute_step_keeps_its_bound_with_the_workers_wait_taken_out():
+    summary = own_workers({"data_wait": 0.05, "forward": 0.45, "backward": 0.45, "optimizer": 0.05})
+    verdict = classify(summary)
+    # 33.9% moves (as above): compute 90% less its part of it (90/95), 58%; data 5% + 33.9% = 39%.
+    assert (verdict.bound, verdict.confidence) == ("compute", "medium"), verdict
+    assert verdict.evidence[0].endswith("data 39% of the step, compute 58%, optimizer 3%"), verdict.evidence
+    assert not any(e.startswith(OVERSUBSCRIBED) for e in verdict.evidence), verdict.evidence
+
+
+def test_with_cuda_timing_only_the_host_share_holds_the_wait():
+    # GPU-timed compute does not include the main thread's wait; the GPU idling while it waited (host) does.
+    phases = {"data_wait": 0.2, "forward": 0.3, "backward": 0.3}
+    summary = own_workers(phases, timing="cuda")
+    for name in ("forward", "backward"):
+        summary.phases[name] = dataclasses.replace(summary.phases[name], device_share=0.22)
+    verdict = classify(summary)  # host: 1 - 0.44 GPU - 0.2 data = 36%, of which 33.9% moves: data 20% + 33.9%
+    assert (verdict.bound, verdict.confidence) == ("data", "medium"), verdict
+    assert verdict.evidence[0].endswith("data 54% of the step, compute 44%, host 2%"), verdict.evidence
 
 
 def test_terminal_prints_contention_under_the_bound_line():
@@ -310,6 +464,21 @@ def test_no_more_workers_when_the_workers_already_oversubscribe_the_cores():
     assert "loader.num_workers" not in ids, ids
     assert "loader.too_many_workers" in ids, ids
     assert all("more workers" not in f.how for f in fixes), [f.how for f in fixes]
+
+
+def test_workers_beside_default_threads_are_data_bound_and_fewer_threads_come_first():
+    # torch's default threads (one per core) beside the busy workers: the main thread's wait is the input pipeline's
+    # (without the workers, 2 threads fit 2 cores), and the fix aimed at it is fewer intra-op threads. Fewer workers
+    # is not advised: measured on the 2-core VM, this CPU-bound loader ran 205-213 steps/s with 2 workers against
+    # 229-272 with 6 (--threads 1): the workers' CPU is the pipeline's capacity.
+    summary = own_workers({"data_wait": 0.44, "forward": 0.3, "backward": 0.11, "optimizer": 0.1, "other": 0.05})
+    summary.facts["threads"] = threads_fact(torch_threads=2, cores=2)
+    verdict = classify(summary)
+    assert (verdict.bound, verdict.confidence) == ("data", "high"), verdict  # 44% + 33.9% = 78%
+    fixes = diagnose(Case(summary))[0]
+    assert fixes[0].id == "host.threads", [f.id for f in fixes]
+    assert fixes[0].how == "torch.set_num_threads(1) (or OMP_NUM_THREADS)"
+    assert any("hold the cores its main thread waits for" in e for e in fixes[0].evidence), fixes[0].evidence
 
 
 # -- end to end -------------------------------------------------------------------------------------------------

@@ -6,15 +6,18 @@ itself (not ``psutil.cpu_percent``, whose module-level state another psutil user
 disturb). 100% is one core.
 
 Contention: how long this job's threads were runnable but waiting for a CPU (the run-queue delay in
-``/proc/<pid>/task/<tid>/schedstat``), involuntary context switches, steal time, the load average and the CPU other
-processes used. Where schedstat is missing (macOS, kernels without schedstats) run delay is not measured and a
-note says so.
+``/proc/<pid>/task/<tid>/schedstat``) and how many waits that delay was spread over (the same file's timeslices: a
+thread waits in the run queue, if only for microseconds, before each time it is put on a CPU), involuntary context
+switches, steal time, the load average and the CPU other processes used. The delay per wait tells a thread kept
+from a CPU (a timeslice of someone else's at a time: hundreds of µs to ms) from one that only wakes often (µs of
+scheduling latency per wake-up). Where schedstat is missing (macOS, kernels without schedstats) run delay is not
+measured and a note says so.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +36,13 @@ class CoreTimes(NamedTuple):
     busy: float
     total: float
     steal: float  # taken by the hypervisor for other virtual machines
+
+
+class RunQueue(NamedTuple):
+    """A thread's cumulative run-queue figures since it started (/proc/<pid>/task/<tid>/schedstat)."""
+
+    delay_ns: int  # runnable but waiting for a CPU
+    waits: int  # timeslices: times it was put on a CPU, each after a wait in the run queue (possibly 0 ns)
 
 
 class HostSource:
@@ -58,7 +68,7 @@ class HostSource:
         if not self._schedstat:
             self.notes.append(NO_RUN_DELAY)
         self._switches: Callable[[int], int | None] = _procfs_involuntary if procfs else _psutil_involuntary
-        self._delays: dict[int, int] = {}  # tid -> its run delay (ns) at the previous sample, main and workers
+        self._delays: dict[int, RunQueue] = {}  # tid -> its run queue figures at the previous sample, main and workers
         self._nvcsw: dict[int, int] = {}  # pid -> its involuntary context switches at the previous sample
 
     def start(self, now_s: float) -> None:
@@ -131,8 +141,9 @@ class HostSource:
         return readings
 
     def _contention(self, workers: list[int], dt: float) -> dict[str, float]:
-        """Run delay (% of the interval) of the main thread, of all the training process's threads summed and of
-        all the workers' threads summed; involuntary context switches per second; the 1-minute load average."""
+        """Run delay (% of the interval) and waits (timeslices per second) of the main thread, of all the training
+        process's threads summed and of all the workers' threads summed; involuntary context switches per second;
+        the 1-minute load average."""
         readings = {"host/load_1m": _load_1m()}
         switches = {}
         for pid in (self._pid, *workers):
@@ -149,23 +160,16 @@ class HostSource:
         if not self._schedstat:
             return readings
         main_delays = _task_delays(self._pid)
-        worker_delays: dict[int, int] = {}
+        worker_delays: dict[int, RunQueue] = {}
         for pid in workers:
             worker_delays.update(_task_delays(pid))
-        previous = self._delays
-        ns = 1e9 * dt / 100.0  # nanoseconds in 1% of the interval
-
-        def waited(tids: Iterable[int], delays: dict[int, int]) -> float:
-            total = 0
-            for tid in tids:
-                delta = delays[tid] - previous.get(tid, 0)
-                total += delta if delta >= 0 else delays[tid]  # a reused thread id starts again from 0
-            return total / ns
-
-        readings["host/run_delay_process"] = waited(main_delays, main_delays)
+        groups = {"process": main_delays, "workers": worker_delays}
         if self._pid in main_delays:
-            readings["host/run_delay_main"] = waited((self._pid,), main_delays)
-        readings["host/run_delay_workers"] = waited(worker_delays, worker_delays)
+            groups["main"] = {self._pid: main_delays[self._pid]}
+        for group, now in groups.items():
+            delay, waits = _since(now, self._delays)
+            readings[f"host/run_delay_{group}"] = 100.0 * delay / (1e9 * dt)
+            readings[f"host/run_waits_{group}"] = waits / dt
         self._delays = {**main_delays, **worker_delays}
         return readings
 
@@ -188,6 +192,9 @@ class HostSource:
             "run_delay_main_thread_max_pct": rounded(high(stats, "host/run_delay_main")),
             "run_delay_process_pct": rounded(mean(stats, "host/run_delay_process")),
             "run_delay_workers_pct": rounded(mean(stats, "host/run_delay_workers")),
+            "run_delay_main_thread_per_wait_us": _per_wait(stats, "main"),
+            "run_delay_process_per_wait_us": _per_wait(stats, "process"),
+            "run_delay_workers_per_wait_us": _per_wait(stats, "workers"),
             "involuntary_switches_per_s": rounded(mean(stats, "host/nvcsw_per_s")),
             "workers_involuntary_switches_per_s": rounded(mean(stats, "host/workers_nvcsw_per_s")),
             "steal_pct": rounded(mean(stats, "host/steal_pct")),
@@ -198,6 +205,32 @@ class HostSource:
 
     def close(self) -> None:
         """Nothing to release: /proc reads and psutil hold no handles between samples."""
+
+
+def _since(now: dict[int, RunQueue], previous: dict[int, RunQueue]) -> RunQueue:
+    """Run delay (ns) and waits of these threads since ``previous``, summed; a thread new since then counts from 0."""
+    delay = waits = 0
+    for tid, figures in now.items():
+        before = previous.get(tid, RunQueue(0, 0))
+        if figures.delay_ns < before.delay_ns or figures.waits < before.waits:
+            before = RunQueue(0, 0)  # a reused thread id starts again from 0
+        delay += figures.delay_ns - before.delay_ns
+        waits += figures.waits - before.waits
+    return RunQueue(delay, waits)
+
+
+def per_wait_us(delay_pct: float | None, waits_per_s: float | None) -> float | None:
+    """Mean run-queue delay per wait (µs) from a delay in % of wall time and the waits per second over the same
+    time; None when either is unknown or nothing waited."""
+    if delay_pct is None or not waits_per_s:
+        return None
+    return delay_pct / 100.0 * 1e6 / waits_per_s
+
+
+def _per_wait(stats: Stats, group: str) -> float | None:
+    """A group's delay per wait (µs) over the whole run: the ratio of the two means, i.e. of the summed delay to
+    the summed waits (samples are evenly spaced), not a mean of per-sample ratios that a quiet sample would skew."""
+    return rounded(per_wait_us(mean(stats, f"host/run_delay_{group}"), mean(stats, f"host/run_waits_{group}")))
 
 
 def usable_cores(proc: psutil.Process | None = None) -> int:
@@ -328,6 +361,11 @@ def parse_schedstat(text: str) -> int:
     return int(text.split()[1])
 
 
+def parse_timeslices(text: str) -> int:
+    """Timeslices from a schedstat line (its third field): how many times the thread was put on a CPU."""
+    return int(text.split()[2])
+
+
 def parse_involuntary_switches(status: str) -> int | None:
     """``nonvoluntary_ctxt_switches`` from a /proc/<pid>/status text (None when the kernel does not report it)."""
     for line in status.splitlines():
@@ -336,9 +374,9 @@ def parse_involuntary_switches(status: str) -> int | None:
     return None
 
 
-def _task_delays(pid: int) -> dict[int, int]:
-    """Run delay (ns) of each thread of ``pid``; {} when the process is gone."""
-    found: dict[int, int] = {}
+def _task_delays(pid: int) -> dict[int, RunQueue]:
+    """Run delay (ns) and waits of each thread of ``pid``; {} when the process is gone."""
+    found: dict[int, RunQueue] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -346,7 +384,8 @@ def _task_delays(pid: int) -> dict[int, int]:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                found[int(tid)] = parse_schedstat(f.read().decode())
+                text = f.read().decode()
+            found[int(tid)] = RunQueue(parse_schedstat(text), parse_timeslices(text))
         except (OSError, ValueError, IndexError):
             continue  # a thread that exited between the listing and the read
     return found

@@ -31,6 +31,16 @@ THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "
 # of wall time). Measured on a 2-core VM (docs/benchmarks.md): a quiet run reads 0-1%; 2 CPU-bound loader workers
 # beside 2 intra-op threads 55% (training process) and 81% (workers); a CPU burner on every core 5-21%.
 CONTENTION_PCT = 10.0  # the training process's threads, or per busy worker
+# Waking up costs run delay too: a thread that sleeps thousands of times a second waits µs in the run queue at each
+# wake-up, however quiet the machine, while a thread kept from a CPU waits for someone else's timeslice. So only the
+# delay beyond WAKEUP_LATENCY_US per wait counts as waiting for a CPU. Measured on the 2-core VM (2026-11-26, run
+# delay / timeslices from schedstat), per wait: a 0.2-0.4 ms sleep loop 4-13 µs quiet, 11-25 µs beside a busy loop on
+# each core; a loader sleeping 0.4 ms per sample 5-20 µs (main thread) and 17-32 µs (workers) quiet, its threads
+# waiting 4-33% of wall time, and 34-65 µs while busy loops or other jobs loaded the machine. Against that, the main
+# thread beside 6 CPU-bound loader workers 97-480 µs (it waits at each wake-up for a core a worker holds), a thread
+# that computes beside busy loops 180 µs-7.6 ms. At 50 µs the sleeping loader's delay is all latency and the main
+# thread beside its workers keeps about half of its own (97 µs per wait: 34% of wall time, 17% beyond latency).
+WAKEUP_LATENCY_US = 50.0
 OTHERS_BUSY_PCT = 50.0  # of one core: other processes using at least half a core count as the machine's load
 SELF_BUSY_FRACTION = 0.50  # of the usable cores, on average: this job's own bursts fill them (runnable > cores)
 STEAL_PCT = 5.0  # of all cores' time taken by the hypervisor
@@ -38,7 +48,7 @@ STEAL_PCT = 5.0  # of all cores' time taken by the hypervisor
 
 def derive_signals(system: dict[str, Any]) -> list[dict[str, str]]:
     """``[{"id", "evidence"}]`` for launch_bound, transform_bound, io_bound, throttled and cpu_contention, in that
-    order (cpu_contention also has ``cause``: ``others``, ``self`` or ``both``)."""
+    order (cpu_contention also has ``cause``: ``others``, ``self``, ``both`` or ``workers``)."""
     if (system.get("samples") or 0) < MIN_SAMPLES:
         return []
     gpu = system.get("gpu") or {}
@@ -164,25 +174,69 @@ def _throttled(dev: dict[str, Any]) -> dict[str, str] | None:
     )
 
 
-def cpu_contention(host: dict[str, Any]) -> dict[str, str] | None:
-    """The job's threads waited for a CPU a significant share of the time: the training process's threads at least
-    CONTENTION_PCT of wall time (summed over threads), or its loader workers CONTENTION_PCT per busy worker.
+def cpu_wait_pct(host: dict[str, Any], group: str) -> float | None:
+    """How long ``group`` (``main_thread``, ``process`` or ``workers``) waited for a CPU, % of wall time: its run
+    delay less WAKEUP_LATENCY_US per wait (the latency of waking up, not a wait for a CPU); the whole run delay where
+    the per-wait figure is missing (a summary from before it was measured); None where run delay was not measured."""
+    delay, per_wait = host.get(f"run_delay_{group}_pct"), host.get(f"run_delay_{group}_per_wait_us")
+    if delay is None or per_wait is None:
+        return delay
+    return delay * max(0.0, 1.0 - WAKEUP_LATENCY_US / per_wait) if per_wait > 0 else 0.0
 
-    ``cause`` says whose load it was: ``others`` when processes outside this job used at least OTHERS_BUSY_PCT of a
-    core (or the hypervisor stole STEAL_PCT), ``self`` when not (this job's own threads and workers outnumber the
-    cores, at least at times), ``both`` when others were busy and the job alone also kept SELF_BUSY_FRACTION of
-    its usable cores busy on average."""
-    process, workers = host.get("run_delay_process_pct"), host.get("run_delay_workers_pct")
+
+def _kept_waiting(host: dict[str, Any], group: str, floor: float) -> bool:
+    wait = cpu_wait_pct(host, group)
+    return wait is not None and wait >= floor
+
+
+def _per_wait(host: dict[str, Any], group: str) -> list[str]:
+    """``["330 µs per wait"]`` when the group's delay per wait was measured, else ``[]``."""
+    per_wait = host.get(f"run_delay_{group}_per_wait_us")
+    return [] if per_wait is None else [f"{per_wait:.0f} µs per wait"]
+
+
+def _process_waited(host: dict[str, Any]) -> str:
+    """The phrase for the training process's wait: "the training process's threads waited for a CPU 53% of wall
+    time (summed, 310 µs per wait), its main thread 42% (330 µs per wait)", with the figures that were measured."""
+    process, summed = host["run_delay_process_pct"], ", ".join(["summed", *_per_wait(host, "process")])
+    text = f"the training process's threads waited for a CPU {process:.0f}% of wall time ({summed})"
+    main = host.get("run_delay_main_thread_pct")
+    if main is None:
+        return text
+    return text + f", its main thread {main:.0f}%" + "".join(f" ({x})" for x in _per_wait(host, "main_thread"))
+
+
+def workers_hold_the_cpu(host: dict[str, Any]) -> bool:
+    """The main thread waited for a CPU (at least CONTENTION_PCT beyond its wake-ups' latency) while this job's own
+    loader workers, not other processes, kept the cores busy: they used at least OTHERS_BUSY_PCT of a core and more
+    than other processes did, with no hypervisor steal."""
+    workers_cpu = host.get("workers_cpu_util_pct") or 0.0
+    others, steal = host.get("others_cpu_util_pct") or 0.0, host.get("steal_pct") or 0.0
+    waited = _kept_waiting(host, "main_thread", CONTENTION_PCT)
+    return waited and workers_cpu >= OTHERS_BUSY_PCT and workers_cpu > others and steal < STEAL_PCT
+
+
+def cpu_contention(host: dict[str, Any]) -> dict[str, str] | None:
+    """The job's threads waited for a CPU a significant share of the time: the training process's threads (or its
+    main thread alone) at least CONTENTION_PCT of wall time (summed over threads), or its loader workers
+    CONTENTION_PCT per busy worker, not counting the latency of their wake-ups (``cpu_wait_pct``): a thread that
+    wakes often on a quiet machine is not contended.
+
+    ``cause`` says whose load it was: ``workers`` when the main thread waited for the cores this job's own loader
+    workers held (``workers_hold_the_cpu``: the wait is the input pipeline's), else ``others`` when processes outside
+    this job used at least OTHERS_BUSY_PCT of a core (or the hypervisor stole STEAL_PCT), ``self`` when not (this
+    job's own threads and workers outnumber the cores, at least at times), ``both`` when others were busy and the
+    job alone also kept SELF_BUSY_FRACTION of its usable cores busy on average."""
+    process = host.get("run_delay_process_pct")
     if process is None:
         return None  # not measured (no schedstat)
     busy = max(host.get("workers_busy_avg") or 0.0, 1.0)
     waited = []
-    if process >= CONTENTION_PCT:
-        main = host.get("run_delay_main_thread_pct")
-        of_main = f", its main thread {main:.0f}%" if main is not None else ""
-        waited.append(f"the training process's threads waited for a CPU {process:.0f}% of wall time (summed){of_main}")
-    if workers is not None and host.get("workers_max") and workers >= CONTENTION_PCT * busy:
-        waited.append(f"its loader workers {workers:.0f}% (summed over {host['workers_max']} worker(s))")
+    if _kept_waiting(host, "process", CONTENTION_PCT) or _kept_waiting(host, "main_thread", CONTENTION_PCT):
+        waited.append(_process_waited(host))
+    if _kept_waiting(host, "workers", CONTENTION_PCT * busy) and host.get("workers_max"):
+        summed = ", ".join([f"summed over {host['workers_max']} worker(s)", *_per_wait(host, "workers")])
+        waited.append(f"its loader workers {host['run_delay_workers_pct']:.0f}% ({summed})")
     if not waited:
         return None
     cores = host.get("cpu_quota") or host.get("cores") or 1
@@ -192,6 +246,8 @@ def cpu_contention(host: dict[str, Any]) -> dict[str, str] | None:
     crowded = others >= OTHERS_BUSY_PCT or steal >= STEAL_PCT
     full = main_cpu + workers_cpu >= SELF_BUSY_FRACTION * 100.0 * cores
     cause = ("both" if full else "others") if crowded else "self"
+    if workers_hold_the_cpu(host):
+        cause = "workers"
     load = host.get("load_avg_1m")
     figures = [f"this job used {main_cpu + workers_cpu:.0f}% CPU of its {cores:g} usable core(s)"]
     figures.append(f"other processes {others:.0f}% of the machine's {machine}")
@@ -203,6 +259,7 @@ def cpu_contention(host: dict[str, Any]) -> dict[str, str] | None:
         "others": "other processes load the machine",
         "self": "this job's own threads and loader workers outnumber its cores",
         "both": "other processes load the machine and this job's own threads and workers fill its cores",
+        "workers": "this job's loader workers hold the cores its main thread waits for",
     }[cause]
     return {
         "id": "cpu_contention",

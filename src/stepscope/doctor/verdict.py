@@ -13,7 +13,10 @@ The shares are then checked against what else was measured (``refine``): allocat
 ``memory``; GPU utilisation that reads high while the SM clock or power is low turns ``compute`` into ``host``
 (a trickle of tiny kernels); the loader workers' CPU says whether a data-bound step is transform- or IO-bound.
 When this job's threads waited for CPUs (the ``cpu_contention`` signal), the verdict says so first, with the
-figures, and its confidence drops one step: the shares were measured on an oversubscribed machine.
+figures, and its confidence drops one step: the shares were measured on an oversubscribed machine. When what the
+main thread waited for was the cores this job's own loader workers held (the signal's cause ``workers``), that
+wait is the input pipeline's: it moves from the CPU-timed groups to ``data`` before the bound is chosen, and the
+verdict cites it instead of calling the machine oversubscribed.
 
 A job's verdict is the job's (``job_verdict``): when one rank's excess in a phase explains the time the other
 ranks wait in collectives (their ``comms``), the bound is that phase's group on that rank, whatever the average
@@ -22,6 +25,7 @@ rank's shares say: the waiting ranks only wait for it.
 
 from __future__ import annotations
 
+from stepscope.collectors.signals import cpu_wait_pct
 from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import oversubscribed_threads
 from stepscope.record import GROUPS, TOTAL
@@ -187,13 +191,68 @@ def classify_phases(summary: RunSummary) -> Verdict:
     measured = summary.steps.measured
     if measured < MIN_STEPS or TOTAL not in summary.phases:
         return Verdict("unknown", "low", [f"only {measured} measured step(s); at least {MIN_STEPS} are needed"])
-    shares = group_shares(summary)
+    measured_shares = shares = group_shares(summary)
+    lead = []
+    charge = workers_charge(summary, shares)
+    if charge is not None:
+        shares, line = charge
+        lead.append(line)
     group, share = max(shares.items(), key=lambda item: item[1])
     if share < MIN_SHARE:
         parts = ", ".join(f"{g} {100 * s:.0f}%" for g, s in sorted(shares.items(), key=lambda i: -i[1]))
-        return Verdict("balanced", "medium", [f"no part of the step reaches {100 * MIN_SHARE:.0f}%: {parts}"])
+        return Verdict("balanced", "medium", [*lead, f"no part of the step reaches {100 * MIN_SHARE:.0f}%: {parts}"])
     confidence = "high" if share >= HIGH_SHARE else "medium"
-    return refine(summary, Verdict(group, confidence, _evidence(summary, group, share)))
+    evidence = lead + _evidence(summary, group, measured_shares[group])
+    return refine(summary, Verdict(group, confidence, evidence))
+
+
+def workers_charge(summary: RunSummary, shares: dict[str, float]) -> tuple[dict[str, float], str] | None:
+    """``shares`` with the workers' part of the main thread's wait for a CPU moved to ``data`` (when
+    ``charged_to_workers``), and the sentence that says so; None otherwise.
+
+    The wait is the main thread's run delay beyond the latency of its wake-ups (``cpu_wait_pct``) in % of wall
+    time, taken as that share of the step (a step's wall time is nearly all of the run's). The cores it waited for
+    ran this job's workers and other processes; the workers' part is their share of the CPU the two used. It
+    inflated the groups timed on the host clock (with CUDA timing only ``host``: the GPU idling while the main
+    thread waited), so it leaves them in proportion to their shares, never more than they hold."""
+    host = summary.system.get("host", {})
+    wait, workers = cpu_wait_pct(host, "main_thread"), host.get("workers_cpu_util_pct") or 0.0
+    if wait is None or workers <= 0 or not charged_to_workers(summary):
+        return None
+    part = workers / (workers + (host.get("others_cpu_util_pct") or 0.0))
+    inflated = ("host",) if summary.meta.timing == "cuda" else CPU_BOUNDS
+    held = sum(shares.get(g, 0.0) for g in inflated)
+    moved = min(wait / 100.0 * part, held)
+    if moved <= 0:
+        return None
+    charged = {g: s * (1.0 - moved / held) if g in inflated else s for g, s in shares.items()}
+    charged["data"] = shares.get("data", 0.0) + moved
+    return charged, _charge_line(host, wait, part, charged)
+
+
+def charged_to_workers(summary: RunSummary) -> bool:
+    """The cpu_contention signal found the main thread waiting for the cores this job's loader workers held (cause
+    ``workers``), and its intra-op threads fit the cores: more of them than cores would keep the main thread waiting
+    without any worker, so its wait would not be the input pipeline's alone."""
+    signal = _contention_signal(summary)
+    workers = signal is not None and signal.get("cause") == "workers"
+    return workers and oversubscribed_threads(summary.facts) is None
+
+
+def _charge_line(host: dict, wait: float, part: float, charged: dict[str, float]) -> str:
+    """The sentence for ``workers_charge``: the main thread's wait, who held the cores, the shares it leaves."""
+    per_wait = host.get("run_delay_main_thread_per_wait_us")
+    waits = "" if per_wait is None else f" ({per_wait:.0f} µs per wait, {wait:.0f}% beyond the latency of waking up)"
+    cores = host.get("cpu_quota") or host.get("cores") or 1
+    ranked = sorted(((g, s) for g, s in charged.items() if g != "data" and s >= 0.005), key=lambda item: -item[1])
+    shares = ", ".join([f"data {100 * charged['data']:.0f}% of the step", *(f"{g} {100 * s:.0f}%" for g, s in ranked)])
+    return (
+        f"the main thread waited for a CPU {host['run_delay_main_thread_pct']:.0f}% of wall time{waits} while this "
+        f"job's {host.get('workers_max')} loader worker(s) used {host.get('workers_cpu_util_pct') or 0.0:.0f}% CPU "
+        f"of its {cores:g} usable core(s) and other processes {host.get('others_cpu_util_pct') or 0.0:.0f}%: the "
+        f"workers' part of that wait ({100 * part:.0f}%, by the CPU they used) is the input pipeline's, which makes "
+        f"{shares}"
+    )
 
 
 def _ceiling_evidence(summary: RunSummary, against: dict) -> list[str]:
@@ -289,11 +348,18 @@ OVERSUBSCRIBED = "the machine is oversubscribed: "  # how the contention line st
 CPU_BOUNDS = ("compute", "optimizer", "host")  # groups timed on the host clock that waiting for a CPU inflates
 
 
+def _contention_signal(summary: RunSummary) -> dict | None:
+    return next((s for s in summary.system.get("signals", []) if s.get("id") == "cpu_contention"), None)
+
+
 def contention_line(summary: RunSummary) -> str | None:
     """The line "the machine is oversubscribed: …" with the measured run delay, when the cpu_contention signal is
-    there; None otherwise."""
-    signal = next((s for s in summary.system.get("signals", []) if s.get("id") == "cpu_contention"), None)
-    return None if signal is None else OVERSUBSCRIBED + signal.get("evidence", "")
+    there; None otherwise, and None when the wait is charged to this job's own loader workers (``workers_charge``
+    moves it to the input pipeline instead)."""
+    signal = _contention_signal(summary)
+    if signal is None or charged_to_workers(summary):
+        return None
+    return OVERSUBSCRIBED + signal.get("evidence", "")
 
 
 def _contended(summary: RunSummary, verdict: Verdict) -> Verdict:
