@@ -211,3 +211,24 @@ def test_time_in_no_step_and_no_pass_is_said_when_it_makes_the_rates_disagree():
     summary.throughput.wall_steps_per_s = 100.0
     note = between_note(summary)
     assert note is not None and "0.04 s (40%) were in no step" in note, note
+
+
+def test_no_workers_advice_for_a_loader_the_step_hardly_waits_on():
+    # The truth generator's case c021: a free loader without workers beside a loader with one worker that holds
+    # all the wait. Advising workers for the free one aims at nothing.
+    loaders = _loaders([0.03, 0.0005])
+    loaders[0].num_workers = 1
+    summary = _summary({"data_wait": 1.5, "forward": 8.0}, loaders=loaders)
+    examine(summary, [])
+    assert "loader.num_workers" not in [f.id for f in summary.fixes], summary.fixes
+
+
+def test_a_validation_loaders_fetches_do_not_count_as_the_steps_wait():
+    # Loader 1 feeds validation passes only: its fetch time is the passes', not the step's.
+    loaders = _loaders([0.1, 0.5])
+    loaders[1].eval_fetch_s, loaders[1].eval_batches = 0.5, 50
+    summary = _summary({"data_wait": 5.0, "forward": 3.0}, loaders=loaders)
+    examine(summary, [])
+    workers = next(f for f in summary.fixes if f.id == "loader.num_workers")
+    assert workers.evidence[0].startswith("loader 0 (Set0)"), workers.evidence
+    assert broken(summary) == []

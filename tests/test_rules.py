@@ -441,7 +441,7 @@ def bursty_without_workers() -> Case:
     return Case(make_summary(PREFETCH_PHASES, loaders=[loader(num_workers=0)], stats=BURSTY))
 
 
-@positive("loader.too_many_workers", None, "loader 0: 8 workers × 1 rank(s) for 4 cgroup quota")
+@positive("loader.too_many_workers", None, "loader 0 (ToyDataset): 8 workers × 1 rank(s) for 4 cgroup quota")
 def workers_over_quota() -> Case:
     return Case(healthy(loaders=[loader(num_workers=8)], facts={"threads": threads_fact(cpu_quota=4.0)}, world_size=1))
 
@@ -484,6 +484,13 @@ def transform_signal_little_data_wait() -> Case:
 @positive("loader.io_bound", 0.5, "data_wait is 50% of the step")
 def io_bound() -> Case:
     phases = {"data_wait": 0.5, "forward": 0.2, "backward": 0.3}
+    return Case(make_summary(phases, signals=[{"id": "io_bound", "evidence": IO}]))
+
+
+@negative("loader.io_bound")
+def idle_in_a_sleeping_forward_with_a_small_data_wait() -> Case:
+    # The process idles, but in its forward: the 9% data_wait is a worker handing batches over, not storage.
+    phases = {"data_wait": 0.09, "forward": 0.6, "backward": 0.31}
     return Case(make_summary(phases, signals=[{"id": "io_bound", "evidence": IO}]))
 
 
@@ -949,7 +956,7 @@ def find_unused_without_audit() -> Case:
     return Case(with_facts(healthy(params=[]), models=[ddp_model(find_unused_parameters=True)]))
 
 
-@positive("ddp.gradient_as_bucket_view", 0.45, "gradient_as_bucket_view=False (bucket_cap_mb=25)")
+@positive("ddp.gradient_as_bucket_view", 0.01, "gradient_as_bucket_view=False (bucket_cap_mb=25)")
 def gradients_copied_into_buckets() -> Case:
     return Case(with_facts(healthy(), models=[ddp_model(gradient_as_bucket_view=False)]))
 
@@ -1292,7 +1299,7 @@ def test_too_many_workers_counts_every_rank_on_the_cores():
     facts = {"threads": threads_fact(cores=8, local_ranks=2)}
     summary = healthy(loaders=[loader(num_workers=5)], facts=facts, world_size=2)
     fix = fired(Case(summary))["loader.too_many_workers"]
-    assert fix.evidence == ["loader 0: 5 workers × 2 rank(s) for 8 usable cores"]
+    assert fix.evidence == ["loader 0 (ToyDataset): 5 workers × 2 rank(s) for 8 usable cores"]
 
 
 def test_threads_fact_without_local_ranks_counts_one_rank():
@@ -1319,7 +1326,7 @@ def test_a_multi_node_run_is_judged_per_machine():
         world_size=16,
     )
     fixes = fired(Case(over))
-    assert fixes["loader.too_many_workers"].evidence == ["loader 0: 9 workers × 8 rank(s) for 64 usable cores"]
+    assert fixes["loader.too_many_workers"].evidence == ["loader 0 (ToyDataset): 9 workers × 8 rank(s) for 64 usable cores"]
     assert fixes["host.threads"].evidence == ["9 torch threads × 8 rank(s) for a 64 usable cores"]
     assert fixes["host.threads"].how == "torch.set_num_threads(8) (or OMP_NUM_THREADS)"
 
@@ -1461,7 +1468,6 @@ def test_real_rules_rank_by_cost_then_gain_with_unbounded_last():
         ("loader.too_many_workers", "config", None),
         ("precision.bf16", "code", COMPUTE),
         ("debug.gradcheck", "code", None),
-        ("loader.io_bound", "infra", 0.05),
     ]
 
 

@@ -149,19 +149,24 @@ def _passes(summary: RunSummary) -> Iterable[str]:
 
 
 def _loader_named(summary: RunSummary) -> Iterable[str]:
-    """A loader fix names the loader the figures point at: the one whose fetches took the most time."""
+    """A loader fix names the loader the figures point at: of the loaders like it (with workers, or without), the
+    one the training steps waited on most (fetches inside validation passes left out)."""
     loaders = [x for x in summary.loaders if x.batches > 0]
     if len(loaders) < 2:
         return
-    busiest = max(x.fetch_s for x in loaders)
-    fair = {x.index for x in loaders if x.fetch_s >= LOADER_TIE * busiest}
     for fix in summary.fixes:
         if not fix.id.startswith("loader."):
             continue
         named = {int(n) for line in fix.evidence for n in _LOADER.findall(line)}
-        if named and not named & fair:
-            listed = ", ".join(f"loader {x.index} {x.fetch_s:.2f} s" for x in loaders)
-            yield f"fix {fix.id} names loader {min(named)}, but the fetches' time points elsewhere ({listed})"
+        for index in named:
+            target = next((x for x in loaders if x.index == index), None)
+            if target is None:
+                continue
+            alike = [x for x in loaders if (x.num_workers == 0) == (target.num_workers == 0)]
+            busiest = max(x.step_fetch_s for x in alike)
+            if target.step_fetch_s < LOADER_TIE * busiest:
+                listed = ", ".join(f"loader {x.index} {x.step_fetch_s:.2f} s" for x in alike)
+                yield f"fix {fix.id} names loader {index}, but the steps waited on another one more ({listed})"
 
 
 def _synchronous_ranks(ranks: list[RunSummary]) -> Iterable[str]:

@@ -169,6 +169,13 @@ class LoaderInfo:
     batches: int = 0
     samples: int = 0
     fetch_s: float = 0.0
+    eval_batches: int = 0  # of ``batches``, fetched inside validation passes
+    eval_fetch_s: float = 0.0  # of ``fetch_s``, inside validation passes
+
+    @property
+    def step_fetch_s(self) -> float:
+        """Time (s) the training steps waited on this loader: its fetches outside validation passes."""
+        return max(self.fetch_s - self.eval_fetch_s, 0.0)
 
 
 @dataclass

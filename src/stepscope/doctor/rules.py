@@ -33,6 +33,10 @@ from stepscope.summary import COSTS, Fix, RunSummary, Straggler
 
 # Thresholds, as fractions of the measured step unless said otherwise.
 MIN_DATA_SHARE = 0.05  # data_wait below this: loader fixes cannot gain enough to be worth listing
+IO_MIN_DATA_SHARE = 0.30  # an idle process waits on storage only when waiting for data is much of its step
+# Conservative (low) copy bandwidths, bytes/s, so that a copy's time bounds from above what saving it can gain.
+CPU_COPY_BYTES_PER_S = 2e9
+GPU_COPY_BYTES_PER_S = 2e11
 MIN_GAIN = 0.02  # a fix bounded by a phase share below this is noise next to the rest of the step
 MIN_COPY_SHARE = 0.01  # host-to-device copies: small shares still block the launch queue on a GPU
 MIN_STALL_SHARE = 0.02  # epoch-start stalls below this share of epoch time are not worth a fix
@@ -184,6 +188,15 @@ def _compute_bound(case: Case) -> float:
 # -- loader ------------------------------------------------------------------------------------------------------
 
 
+def loader_shares(case: Case) -> dict[int, float]:
+    """Each loader's share of the step spent waiting on it (0..1, by index): the step's data_wait split by the
+    time the training steps waited on each (fetches inside validation passes left out)."""
+    loaders = [x for x in case.summary.loaders if x.batches > 0]
+    total = sum(x.step_fetch_s for x in loaders)
+    data = case.share("data_wait")
+    return {x.index: data * x.step_fetch_s / total for x in loaders} if total > 0 else {}
+
+
 @rule(
     "loader.num_workers",
     "Load batches in worker processes",
@@ -193,9 +206,13 @@ def _compute_bound(case: Case) -> float:
     "config",
 )
 def _loader_workers(case: Case) -> Finding | None:
-    loaders = [x for x in case.summary.loaders if x.num_workers == 0 and x.batches > 0]
-    data = case.share("data_wait")
-    if not loaders or not case.measured or data < MIN_DATA_SHARE:
+    shares = loader_shares(case)
+    loaders = [x for x in case.summary.loaders if x.num_workers == 0 and shares.get(x.index, 0.0) > 0]
+    if not loaders or not case.measured:
+        return None
+    loader = max(loaders, key=lambda x: shares[x.index])  # the one the step waits for most
+    data = shares[loader.index]
+    if data < MIN_DATA_SHARE:
         return None
     cores, local = case.cores(), case.local_ranks()
     if cores and case.loader_workers() * local >= cores:
@@ -231,10 +248,10 @@ def _loader_workers(case: Case) -> Finding | None:
             f"DataLoader(..., num_workers={workers}, persistent_workers=True) "
             f"({cores:g} usable cores, {local} rank(s) on this machine)"
         )
-    loader = loaders[0]
+    whose = "" if len(shares) == 1 else f" on loader {loader.index}"
     evidence = [
         f"loader {loader.index} ({loader.dataset}) has num_workers=0",
-        f"data_wait is {pct(data)} of the step ({case.ms('data_wait'):.1f} ms of {case.ms(TOTAL):.1f} ms)",
+        f"data_wait{whose} is {pct(data)} of the step ({data * case.ms(TOTAL):.1f} ms of {case.ms(TOTAL):.1f} ms)",
         *_at(case.lines("num_workers_zero")),
     ]
     apply = None if workers is None else f"loader.num_workers={workers}"
@@ -342,13 +359,15 @@ def _prefetch(case: Case) -> Finding | None:
     bimodal = stats.median_ms < BURSTY_MEDIAN * stats.mean_ms and stats.p95_ms > BURSTY_P95 * max(stats.median_ms, 0.05)
     if not bimodal:
         return None
-    factor = loaders[0].prefetch_factor or 2
+    shares = loader_shares(case)
+    loader = max(loaders, key=lambda x: shares.get(x.index, 0.0))
+    factor = loader.prefetch_factor or 2
     evidence = [
         f"data_wait median {stats.median_ms:.2f} ms but mean {stats.mean_ms:.1f} ms and p95 {stats.p95_ms:.1f} ms",
-        f"loader {loaders[0].index}: {loaders[0].num_workers} workers, prefetch_factor={factor}",
+        f"loader {loader.index}: {loader.num_workers} workers, prefetch_factor={factor}",
     ]
     cores = case.cores()
-    full = cores is not None and loaders[0].num_workers * case.local_ranks() >= cores  # no core for another worker
+    full = cores is not None and loader.num_workers * case.local_ranks() >= cores  # no core for another worker
     how = f"DataLoader(..., prefetch_factor={max(4, 2 * factor)})" + ("" if full else " or more workers")
     return Finding(evidence, data, "at most the time spent waiting for data", how=how)
 
@@ -376,7 +395,10 @@ def _too_many_workers(case: Case) -> Finding | None:
         return None
     loader = busy[0]
     limit = "cgroup quota" if threads.get("cpu_quota") else "usable cores"
-    evidence = [f"loader {loader.index}: {loader.num_workers} workers × {world} rank(s) for {cores:g} {limit}"]
+    evidence = [
+        f"loader {loader.index} ({loader.dataset}): {loader.num_workers} workers × {world} rank(s) "
+        f"for {cores:g} {limit}"
+    ]
     contention = case.signals().get("cpu_contention")
     if contention:
         evidence.append(contention)
@@ -411,7 +433,10 @@ def _transform_bound(case: Case) -> Finding | None:
 def _io_bound(case: Case) -> Finding | None:
     evidence = case.signals().get("io_bound")
     data = case.share("data_wait")
-    if evidence is None or data < MIN_DATA_SHARE:
+    # The signal says the training process and its workers were mostly idle; that points at storage only when
+    # the process idled waiting for data. Idle in a sleeping forward, with a worker's hand-over showing as a small
+    # data_wait, it does not.
+    if evidence is None or data < IO_MIN_DATA_SHARE:
         return None
     return Finding([evidence, f"data_wait is {pct(data)} of the step"], data, "at most the time waiting for data")
 
@@ -972,7 +997,17 @@ def _bucket_view(case: Case) -> Finding | None:
     if ddp is None or ddp["gradient_as_bucket_view"]:
         return None
     evidence = [f"gradient_as_bucket_view=False (bucket_cap_mb={ddp['bucket_cap_mb']:g})"]
-    return Finding(evidence, case.share("backward"), "at most the backward time, where the copies happen")
+    bound, why = case.share("backward"), "at most the backward time, where the copies happen"
+    params = sum(m.get("params") or 0 for m in case.models() if "ddp" in m)
+    step_ms = case.ms(TOTAL)
+    if params and step_ms:
+        # Two copies of every gradient (into the buckets and back), at most 4 bytes a value, at a low bandwidth.
+        speed = GPU_COPY_BYTES_PER_S if case.summary.meta.timing == "cuda" else CPU_COPY_BYTES_PER_S
+        copies = 2 * 4 * params / speed * 1e3 / step_ms
+        if copies < bound:
+            bound, why = copies, f"at most copying {params:,} gradients twice per step"
+            evidence.append(f"{params:,} parameters: two gradient copies take at most {copies * step_ms:.3f} ms")
+    return Finding(evidence, bound, why)
 
 
 @rule(

@@ -77,8 +77,8 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
         stats = phases.get(name)
         if stats is None or stats.nested:
             continue
-        ms = stats.device_mean_ms if cuda and stats.device_mean_ms is not None else stats.mean_ms
         part = _device_share(phases, name) if cuda else stats.share
+        ms = part * total_ms  # per measured step: a phase that ran in few steps has a mean above its share
         if part >= 0.05:
             clock = "GPU time" if cuda else "of the step"
             lines.append(f"{name} is {100 * part:.0f}% {clock} ({ms:.1f} ms of a {total_ms:.1f} ms step)")

@@ -23,7 +23,7 @@ from typing import Any
 
 from stepscope.invariants import synchronous
 from stepscope.record import TOTAL, phase_order
-from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput, Wall
+from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
 
 STRAGGLER_MIN = 0.05
 COMMS = "comms"
@@ -260,13 +260,18 @@ def job_throughput(ranks: list[RunSummary]) -> Throughput:
     )
 
 
-def _job_wall(ranks: list[RunSummary]) -> Wall | None:
-    """The wall window of the rank with the longest wall time per step: the job's clock (every rank's own stays in
-    its summary)."""
+def _clock_rank(ranks: list[RunSummary]) -> RunSummary | None:
+    """The rank with the longest wall time per step: its window is the job's clock."""
     timed = [r for r in ranks if r.wall is not None and r.steps.measured]
-    if not timed:
-        return None
-    return max(timed, key=lambda r: r.wall.window_s / r.steps.measured).wall  # type: ignore[union-attr]
+    return max(timed, key=lambda r: r.wall.window_s / r.steps.measured) if timed else None  # type: ignore[union-attr]
+
+
+def _job_eval(ranks: list[RunSummary]) -> dict[str, Any]:
+    """The job's validation passes: those of the rank whose window is the job's clock, else of the lowest rank that
+    validated ({} when none did; every rank keeps its own)."""
+    clock = _clock_rank(ranks)
+    chosen = clock if clock is not None and clock.eval else next((r for r in ranks if r.eval), None)
+    return {**chosen.eval, "rank": _rank(chosen)} if chosen is not None else {}
 
 
 def _sampled(summary: RunSummary) -> bool:
@@ -335,7 +340,8 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         ),
         phases=phases,
         throughput=throughput,
-        wall=_job_wall(ranks),
+        wall=clock.wall if (clock := _clock_rank(ranks)) is not None else None,
+        eval=_job_eval(ranks),
         meta=meta,
         notes=notes,
         ranks=ranks,

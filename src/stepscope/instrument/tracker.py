@@ -310,11 +310,15 @@ class Tracker:
             tensors = batch_tensors(batch)
             self.batch_ids = frozenset(id(t) for t in tensors)
             samples = batch_samples(tensors)
-        if not self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None) and batch is not None:
+        in_pass = self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None)
+        if not in_pass and batch is not None:
             self._step_samples += samples  # a validation pass's batches are not the step's
             self._count("batches")
         if state is not None:
             state.info.fetch_s += (now - t0) / 1e9
+            if in_pass:
+                state.info.eval_fetch_s += (now - t0) / 1e9
+                state.info.eval_batches += batch is not None
             if state.epoch_stall_ns is None:
                 state.epoch_stall_ns = now - state.epoch_start_ns  # from iter(loader) to the first batch
             if batch is not None:
