@@ -407,7 +407,7 @@ def unpinned_on_cpu() -> Case:
     return Case(cpu_summary(loaders=[loader(pin_memory=False)], facts={"h2d": h2d}))
 
 
-@positive("h2d.non_blocking", 0.02, "loader 0 pins memory, but 40 copies to the GPU were blocking")
+@positive("h2d.non_blocking", 0.02, "loader 0 (ToyDataset) pins memory, but 40 copies to the GPU were blocking")
 def blocking_copies() -> Case:
     summary = healthy()
     summary.facts["h2d"]["non_blocking"] = 0
@@ -1282,7 +1282,7 @@ def test_pin_memory_notes_non_blocking_copies_from_pageable_memory():
     summary.facts["h2d"]["pinned_source"] = 0  # 40 non-blocking copies, none from pinned memory
     fix = fired(Case(summary))["loader.pin_memory"]
     assert fix.evidence == [
-        "loader 0 has pin_memory=False and its batches are copied to the GPU",
+        "loader 0 (ToyDataset) has pin_memory=False and its batches are copied to the GPU",
         "h2d is 2% of the step (2.00 ms)",
         "the copies ask for non_blocking=True, which pageable memory cannot honour",
     ]
@@ -1326,7 +1326,9 @@ def test_a_multi_node_run_is_judged_per_machine():
         world_size=16,
     )
     fixes = fired(Case(over))
-    assert fixes["loader.too_many_workers"].evidence == ["loader 0 (ToyDataset): 9 workers × 8 rank(s) for 64 usable cores"]
+    assert fixes["loader.too_many_workers"].evidence == [
+        "loader 0 (ToyDataset): 9 workers × 8 rank(s) for 64 usable cores"
+    ]
     assert fixes["host.threads"].evidence == ["9 torch threads × 8 rank(s) for a 64 usable cores"]
     assert fixes["host.threads"].how == "torch.set_num_threads(8) (or OMP_NUM_THREADS)"
 

@@ -313,7 +313,8 @@ def _pin_memory(case: Case) -> Finding | None:
     if not h2d.get("to_cuda") or not unpinned or h2d.get("pinned_source", 0) > 0 or share < MIN_COPY_SHARE:
         return None
     evidence = [
-        f"loader {unpinned[0].index} has pin_memory=False and its batches are copied to the GPU",
+        f"loader {unpinned[0].index} ({unpinned[0].dataset}) has pin_memory=False and its batches are copied to the "
+        "GPU",
         f"h2d is {pct(share)} of the step" + ("" if case.ms("h2d") is None else f" ({case.ms('h2d'):.2f} ms)"),
     ]
     if h2d.get("non_blocking"):
@@ -336,7 +337,8 @@ def _non_blocking(case: Case) -> Finding | None:
     if not h2d.get("to_cuda") or not pinned or h2d.get("non_blocking") or share < MIN_COPY_SHARE:
         return None
     evidence = [
-        f"loader {pinned[0].index} pins memory, but {h2d['to_cuda']} copies to the GPU were blocking",
+        f"loader {pinned[0].index} ({pinned[0].dataset}) pins memory, but {h2d['to_cuda']} copies to the GPU were "
+        "blocking",
         f"h2d is {pct(share)} of the step",
     ]
     return Finding(evidence, share, "at most the time in host-to-device copies")
@@ -364,7 +366,7 @@ def _prefetch(case: Case) -> Finding | None:
     factor = loader.prefetch_factor or 2
     evidence = [
         f"data_wait median {stats.median_ms:.2f} ms but mean {stats.mean_ms:.1f} ms and p95 {stats.p95_ms:.1f} ms",
-        f"loader {loader.index}: {loader.num_workers} workers, prefetch_factor={factor}",
+        f"loader {loader.index} ({loader.dataset}): {loader.num_workers} workers, prefetch_factor={factor}",
     ]
     cores = case.cores()
     full = cores is not None and loader.num_workers * case.local_ranks() >= cores  # no core for another worker
@@ -419,7 +421,13 @@ def _transform_bound(case: Case) -> Finding | None:
     data = case.share("data_wait")
     if evidence is None or data < MIN_DATA_SHARE:
         return None
-    return Finding([evidence, f"data_wait is {pct(data)} of the step"], data, "at most the time waiting for data")
+    lines = [evidence, f"data_wait is {pct(data)} of the step"]
+    shares = loader_shares(case)
+    working = [x for x in case.summary.loaders if x.num_workers > 0 and shares.get(x.index, 0.0) > 0]
+    if working:  # the workers' transforms: those of the loader with workers the step waits on most
+        loader = max(working, key=lambda x: shares[x.index])
+        lines.insert(0, f"loader {loader.index} ({loader.dataset}): {loader.num_workers} workers")
+    return Finding(lines, data, "at most the time waiting for data")
 
 
 @rule(
