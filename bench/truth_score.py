@@ -258,6 +258,8 @@ def _injected_causes(spec: CaseSpec, own: OwnFigures) -> dict[str, float]:
             out[kind] = own.injected[kind] / step
     if spec.val and own.val_s > 0:
         out["validation"] = own.val_s / own.wall_s
+    if spec.cause == "oversubscribed":  # injected on purpose, whichever group the verdict then names
+        out["oversubscribed"] = own.phases["data_wait"] / step
     return out
 
 

@@ -25,6 +25,7 @@ from stepscope.collectors.host import (
 )
 from stepscope.collectors.signals import CONTENTION_PCT, cpu_contention, cpu_wait_pct, derive_signals
 from stepscope.collectors.stats import fold
+from stepscope.doctor.checkup import examine
 from stepscope.doctor.rules import Case, diagnose
 from stepscope.doctor.verdict import OVERSUBSCRIBED, classify
 from stepscope.report.terminal import print_summary, split_contention
@@ -355,6 +356,21 @@ def test_a_cpu_held_by_the_jobs_own_workers_makes_the_step_data_bound():
     assert "part of that wait (95%, by the CPU they used)" in verdict.evidence[0]
     assert verdict.evidence[0].endswith("data 52% of the step, compute 40%, optimizer 5%, host 3%"), verdict.evidence
     assert any(e.startswith("data_wait is 18% of the step") for e in verdict.evidence)
+
+
+def test_fixes_are_bounded_by_their_phases_own_time_not_the_wait_for_the_workers_cores():
+    # The truth generator's oversubscribed cases: the optimizer phase read 8% of the step, most of it the main
+    # thread waiting for the cores 6 workers held, and optimizer.fused (config, <= 8%) came before every loader fix.
+    # Its own time is 8% x (1 - 33.9/79) = 4.6%: under 5%, it goes last.
+    summary = own_workers({"data_wait": 0.18, "forward": 0.23, "backward": 0.46, "optimizer": 0.08, "other": 0.05})
+    summary.facts["optimizers"] = [
+        {"type": "AdamW", "fused": False, "foreach": None, "has_fused": True, "has_foreach": True, "params": 600,
+         "device": "cpu"}
+    ]  # fmt: skip
+    examine(summary, [])
+    fused = next(f for f in summary.fixes if f.id.startswith("optimizer."))
+    assert fused.gain_bound == pytest.approx(0.08 * (1 - 0.339 / 0.79), abs=0.005), fused
+    assert summary.fixes[-1].id == fused.id or fused.gain_bound < 0.05, [f.id for f in summary.fixes]
 
 
 def test_more_intra_op_threads_than_cores_keep_the_wait_contention():

@@ -27,7 +27,14 @@ from stepscope.analyses.loader import WAITING_WORKERS_CPU, LoaderSettings, waiti
 from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import cores_of, ranks_per_machine, threads_for_workers
 from stepscope.doctor.lint import LintHit
-from stepscope.doctor.verdict import EXPLAINS, attributed_straggler, group_shares, rank_summary
+from stepscope.doctor.verdict import (
+    EXPLAINS,
+    attributed_straggler,
+    group_shares,
+    phase_group,
+    rank_summary,
+    workers_kept,
+)
 from stepscope.record import TOTAL
 from stepscope.summary import COSTS, Fix, RunSummary, Straggler
 
@@ -76,6 +83,12 @@ class Case:
     def groups(self) -> dict[str, float]:
         return group_shares(self.summary) if TOTAL in self.summary.phases else {}
 
+    @functools.cached_property
+    def kept(self) -> dict[str, float]:
+        """Per group, the part of its share that is its own, not the main thread's wait for the cores this job's
+        workers held (``workers_kept``; {} when none is charged to them)."""
+        return workers_kept(self.summary, self.groups) if self.groups else {}
+
     @property
     def measured(self) -> bool:
         return self.summary.steps.measured > 0 and TOTAL in self.summary.phases
@@ -92,7 +105,8 @@ class Case:
             if stats is None or stats.nested:
                 continue
             use_device = self.summary.meta.timing == "cuda" and stats.device_share is not None and name != "data_wait"
-            total += stats.device_share if use_device else stats.share
+            share = stats.device_share if use_device else stats.share
+            total += share * self.kept.get(phase_group(name) or "", 1.0)
         return min(total, 1.0)
 
     def ms(self, phase: str) -> float | None:
@@ -391,7 +405,10 @@ def _too_many_workers(case: Case) -> Finding | None:
     host = case.summary.system.get("host", {})
     workers_cpu, workers = host.get("workers_cpu_util_pct"), host.get("workers_max")
     runnable = None if workers_cpu is None else workers_cpu + (host.get("run_delay_workers_pct") or 0.0)
-    if runnable is not None and workers and runnable < WAITING_WORKERS_CPU * 100 * workers:
+    # The main thread's wait for the cores the workers held (the verdict charged it to them): they compute, even
+    # when each one idles between batches waiting for its turn to hand its batch over.
+    held = sum(case.groups.get(g, 0.0) * (1.0 - kept) for g, kept in case.kept.items())
+    if not held and runnable is not None and workers and runnable < WAITING_WORKERS_CPU * 100 * workers:
         return None  # the workers mostly wait (I/O), not for a CPU: more of them than cores overlaps the waits
     if not busy:
         return None
@@ -404,6 +421,9 @@ def _too_many_workers(case: Case) -> Finding | None:
     contention = case.signals().get("cpu_contention")
     if contention:
         evidence.append(contention)
+    if held:
+        evidence.append(f"the main thread waited for the cores they held {pct(held)} of the step")
+        return Finding(evidence, held, "at most the main thread's wait for the cores the workers held")
     return Finding(evidence, None, "oversubscription costs depend on the scheduler: not measurable from shares")
 
 
@@ -1015,7 +1035,7 @@ def _bucket_view(case: Case) -> Finding | None:
         if copies < bound:
             bound, why = copies, f"at most copying {params:,} gradients twice per step"
             evidence.append(f"{params:,} parameters: two gradient copies take at most {copies * step_ms:.3f} ms")
-    return Finding(evidence, bound, why)
+    return None if bound < MIN_GAIN else Finding(evidence, bound, why)
 
 
 @rule(

@@ -215,19 +215,34 @@ def workers_charge(summary: RunSummary, shares: dict[str, float]) -> tuple[dict[
     ran this job's workers and other processes; the workers' part is their share of the CPU the two used. It
     inflated the groups timed on the host clock (with CUDA timing only ``host``: the GPU idling while the main
     thread waited), so it leaves them in proportion to their shares, never more than they hold."""
+    kept = workers_kept(summary, shares)
+    if not kept:
+        return None
+    moved = sum(shares.get(g, 0.0) * (1.0 - k) for g, k in kept.items())
+    charged = {g: s * kept.get(g, 1.0) for g, s in shares.items()}
+    charged["data"] = shares.get("data", 0.0) + moved
+    host = summary.system.get("host", {})
+    wait, workers = cpu_wait_pct(host, "main_thread"), host.get("workers_cpu_util_pct") or 0.0
+    part = workers / (workers + (host.get("others_cpu_util_pct") or 0.0))
+    return charged, _charge_line(host, wait or 0.0, part, charged)
+
+
+def workers_kept(summary: RunSummary, shares: dict[str, float] | None = None) -> dict[str, float]:
+    """Per inflated group, the part (0..1) of its share that is its own once the main thread's wait for the cores
+    this job's workers held is taken out (``workers_charge``); {} when nothing is charged to the workers. The rules
+    bound their fixes with it: a phase's time spent waiting for a CPU is no fix's to save."""
+    shares = group_shares(summary) if shares is None else shares
     host = summary.system.get("host", {})
     wait, workers = cpu_wait_pct(host, "main_thread"), host.get("workers_cpu_util_pct") or 0.0
     if wait is None or workers <= 0 or not charged_to_workers(summary):
-        return None
+        return {}
     part = workers / (workers + (host.get("others_cpu_util_pct") or 0.0))
     inflated = ("host",) if summary.meta.timing == "cuda" else CPU_BOUNDS
     held = sum(shares.get(g, 0.0) for g in inflated)
     moved = min(wait / 100.0 * part, held)
     if moved <= 0:
-        return None
-    charged = {g: s * (1.0 - moved / held) if g in inflated else s for g, s in shares.items()}
-    charged["data"] = shares.get("data", 0.0) + moved
-    return charged, _charge_line(host, wait, part, charged)
+        return {}
+    return {g: 1.0 - moved / held for g in inflated}
 
 
 def charged_to_workers(summary: RunSummary) -> bool:
