@@ -149,7 +149,9 @@ def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
     s = r.summary
     assert len(s.ranks) == 2, r.describe()
     ids = [f.id for f in s.fixes]
-    assert "ddp.find_unused_parameters" in ids and "ddp.gradient_as_bucket_view" in ids, r.describe()
+    assert "ddp.find_unused_parameters" in ids, r.describe()
+    # A small MLP: copying its gradients into DDP's buckets and back takes microseconds, too little to list.
+    assert "ddp.gradient_as_bucket_view" not in ids, r.describe()
     ddp = s.facts["models"][0]["ddp"]
     assert ddp["find_unused_parameters"] is True and ddp["gradient_as_bucket_view"] is False
     assert s.params and s.params[0]["unused"] == [] and s.params[0]["steps"] >= 1
