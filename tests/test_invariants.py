@@ -232,24 +232,3 @@ def test_a_validation_loaders_fetches_do_not_count_as_the_steps_wait():
     workers = next(f for f in summary.fixes if f.id == "loader.num_workers")
     assert workers.evidence[0].startswith("loader 0 (Set0)"), workers.evidence
     assert broken(summary) == []
-
-
-def test_more_workers_for_the_loader_with_workers_the_step_waits_on_most():
-    # The truth generator's case c199: a loader with one worker whose samples sleep holds the step's wait; the only
-    # loader without workers hardly counts. Its worker mostly waits (12% CPU), so more of them overlap the waits.
-    loaders = _loaders([0.5, 0.02])
-    loaders[0].num_workers = 1
-    summary = _summary({"data_wait": 6.0, "forward": 4.0}, loaders=loaders)
-    summary.system = {"host": {"workers_cpu_util_pct": 12.0, "workers_max": 1, "run_delay_workers_pct": 0.5}}
-    examine(summary, [])
-    workers = next(f for f in summary.fixes if f.id == "loader.num_workers")
-    assert workers.evidence[0].startswith("loader 0 (Set0) has num_workers=1"), workers.evidence
-    # 1 worker delivers a batch every 10 ms; the rest of the step takes 4 ms: 3 workers keep up.
-    assert workers.apply == "loader.num_workers=3", workers
-    assert workers.gain_bound == pytest.approx(0.6 * 0.5 / 0.52, abs=1e-3)
-    # Workers that compute (90% CPU each) would only share the cores: no advice for them.
-    summary.system["host"]["workers_cpu_util_pct"] = 90.0
-    examine(summary, [])
-    assert "loader.num_workers" not in [f.id for f in summary.fixes] or summary.fixes[0].evidence[0].startswith(
-        "loader 1"
-    )

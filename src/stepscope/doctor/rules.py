@@ -36,7 +36,7 @@ from stepscope.doctor.verdict import (
     workers_kept,
 )
 from stepscope.record import TOTAL
-from stepscope.summary import COSTS, Fix, LoaderInfo, RunSummary, Straggler
+from stepscope.summary import COSTS, Fix, RunSummary, Straggler
 
 # Thresholds, as fractions of the measured step unless said otherwise.
 MIN_DATA_SHARE = 0.05  # data_wait below this: loader fixes cannot gain enough to be worth listing
@@ -221,15 +221,8 @@ def loader_shares(case: Case) -> dict[int, float]:
 )
 def _loader_workers(case: Case) -> Finding | None:
     shares = loader_shares(case)
-    if not shares or not case.measured:
-        return None
-    busiest = max((x for x in case.summary.loaders if x.index in shares), key=lambda x: shares[x.index])
-    if busiest.num_workers > 0:  # the step waits most on a loader that has workers: do more of them help?
-        more = _more_waiting_workers(case, busiest, shares[busiest.index])
-        if more is not None:
-            return more
     loaders = [x for x in case.summary.loaders if x.num_workers == 0 and shares.get(x.index, 0.0) > 0]
-    if not loaders:
+    if not loaders or not case.measured:
         return None
     loader = max(loaders, key=lambda x: shares[x.index])  # the one the step waits for most
     data = shares[loader.index]
@@ -277,36 +270,6 @@ def _loader_workers(case: Case) -> Finding | None:
     ]
     apply = None if workers is None else f"loader.num_workers={workers}"
     return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
-
-
-def _more_waiting_workers(case: Case, loader: LoaderInfo, share: float) -> Finding | None:
-    """More workers for ``loader``, which has some and which the step still waits on ``share`` of the time, when
-    its workers mostly wait (each used under ``WAITING_WORKERS_CPU`` of a core, and the main thread did not wait for
-    the cores they held): each delivers a batch every ``w × step`` ms, so ``w × step / rest`` of them keep up with
-    the ``rest`` of the step. Waiting workers use no core, so the cores do not bound them."""
-    host = case.summary.system.get("host", {})
-    workers_cpu, seen = host.get("workers_cpu_util_pct"), host.get("workers_max")
-    if share < MIN_DATA_SHARE or workers_cpu is None or not seen or case.kept:
-        return None
-    if workers_cpu + (host.get("run_delay_workers_pct") or 0.0) >= WAITING_WORKERS_CPU * 100 * seen:
-        return None  # they compute: more of them would time-share the same cores
-    step_ms = case.ms(TOTAL) or 0.0
-    rest_ms = step_ms * (1.0 - share)
-    workers = waiting_workers(loader.num_workers * step_ms, rest_ms)
-    if workers <= loader.num_workers:
-        return None
-    evidence = [
-        f"loader {loader.index} ({loader.dataset}) has num_workers={loader.num_workers}, and the step still waits on "
-        f"it {pct(share)} of the time ({share * step_ms:.1f} ms of {step_ms:.1f} ms)",
-        f"its workers mostly wait: {workers_cpu:.0f}% CPU over {seen} worker process(es)",
-    ]
-    how = (
-        f"DataLoader(..., num_workers={workers}, persistent_workers=True) (the fetch mostly waits: {workers} workers "
-        f"deliver a batch every {rest_ms:.1f} ms, using no core)"
-    )
-    return Finding(
-        evidence, share, "at most the time waiting for this loader", how=how, apply=f"loader.num_workers={workers}"
-    )
 
 
 def _fetch_busy_pct(case: Case) -> float | None:
