@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sleepy import Sleepy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -33,17 +34,6 @@ class SleepyDataset(Dataset):
     def __getitem__(self, i: int):
         time.sleep(self.sample_s)
         return self.x[i], self.y[i]
-
-
-class SideModel(nn.Module):
-    def __init__(self, forward_ms: float) -> None:
-        super().__init__()
-        self.linear = nn.Linear(16, 4)
-        self.forward_s = forward_ms / 1000
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.forward_s)
-        return self.linear(x)
 
 
 def main() -> None:
@@ -80,7 +70,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    metric = SideModel(args.side_ms)  # a second model, off DDP
+    metric = Sleepy(args.side_ms)  # a second model, off DDP
     side_forwards = args.side_forwards if rank == args.side_rank else 0
 
     def side_work(x: torch.Tensor) -> None:

@@ -13,19 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from sleepy import Sleepy
 from torch.utils.data import DataLoader, TensorDataset
-
-
-class Sleepy(nn.Module):
-    def __init__(self, forward_ms: float) -> None:
-        super().__init__()
-        self.linear = nn.Linear(16, 4)
-        self.forward_s = forward_ms / 1e3
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.forward_s)
-        return self.linear(x)
 
 
 def main() -> None:

@@ -229,7 +229,8 @@ def _loader_workers(case: Case) -> Finding | None:
     if data < MIN_DATA_SHARE:
         return None
     cores, local = case.cores(), case.local_ranks()
-    if cores and case.loader_workers() * local >= cores:
+    waits = bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
+    if cores and case.loader_workers() * local >= cores and not waits:
         return None  # another loader's workers already fill the cores: more workers would only time-share them
     hint, workers = None, None
     swept = (case.summary.dataloader.get("best") or {}).get("settings")
@@ -246,8 +247,7 @@ def _loader_workers(case: Case) -> Finding | None:
             rate = f"{best['samples_per_s']:,.0f} samples/s{gain}"
         hint = f"{LoaderSettings(**swept).snippet()} (the loader sweep's best: {rate})"
         workers = swept["num_workers"]
-    elif case.signals().get("io_bound") or _fetch_busy_pct(case) is not None:
-        # the fetch waits rather than computes: workers overlap the waits
+    elif waits:  # the fetch waits rather than computes: workers overlap the waits, using no core
         workers = waiting_workers(case.ms("data_wait"), case.ms(TOTAL) - case.ms("data_wait"))
         busy = _fetch_busy_pct(case)
         measured = "" if busy is None else f", measured alone it kept the training process busy {busy:.0f}% of the time"
