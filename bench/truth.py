@@ -76,8 +76,9 @@ Scores (right / wrong / n/a per case; the table gives % right over the applicabl
    fix when data_wait is small or not injected, ``host.threads`` without oversubscription.
 5. **invariants**, computed from the JSON on the job and on every rank: each share ≤ 100% (+0.5%), each phase
    mean ≤ the step mean (+0.5%), the top-level phases' means (weighted by the steps they ran in) adding up to the
-   step mean within 1%; 2-rank: the ranks' step means within 10% of each other; no more validation passes than
-   measured steps; and the product's own ``invariants`` list empty (absent: none).
+   step mean within 1%; 2-rank: the ranks' wall time per step (``wall.window_s`` over the measured steps; the
+   step means without a window) within 10% of each other; no more validation passes than measured steps; and the
+   product's own ``invariants`` list empty (absent: none).
 
 A run that leaves no summary, or whose script's own records do not cover the window, scores wrong on every
 score, with the reason. Cases are kept (``--out``) as script, ``*.json`` summary, ``*.truth*`` own records,
