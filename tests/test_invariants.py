@@ -232,3 +232,16 @@ def test_a_validation_loaders_fetches_do_not_count_as_the_steps_wait():
     workers = next(f for f in summary.fixes if f.id == "loader.num_workers")
     assert workers.evidence[0].startswith("loader 0 (Set0)"), workers.evidence
     assert broken(summary) == []
+
+
+def test_a_jobs_loader_fix_is_checked_against_the_rank_it_names():
+    # The truth generator's c153: the straggler rank 1 waits on loader 0, which rank 0 hardly waits on; the job's
+    # fix says "rank 1: loader 0 ...", which the merged summary's loaders (rank 0's) do not bear out.
+    ranks = []
+    for r, fetch in ((0, [0.03, 0.3]), (1, [1.2, 0.3])):
+        ranks.append(_summary({"data_wait": 8.0, "forward": 1.0}, rank=r, loaders=_loaders(fetch)))
+    job = merge(ranks)
+    job.fixes = [Fix("loader.num_workers", "t", "w", ["rank 1: loader 0 (Set0) has num_workers=0"], "h", "config", 0.5)]
+    assert broken(job) == []
+    job.fixes[0].evidence = ["rank 0: loader 0 (Set0) has num_workers=0"]
+    assert any("names loader 0" in s for s in broken(job))

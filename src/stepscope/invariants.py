@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 
 from stepscope.record import TOTAL
-from stepscope.summary import RunSummary
+from stepscope.summary import LoaderInfo, RunSummary
 
 BETWEEN_SHARE = 0.05  # of the wall window outside steps and passes: the step and wall rates then disagree
 SHARE_SLACK = 0.005  # rounding of shares summed over phases
@@ -23,6 +23,7 @@ SYNC_REL = 0.10  # ranks of a synchronous job: wall time per step within 10% of 
 LOADER_TIE = 0.9  # a loader with at least this share of the busiest loader's fetch time is also a fair target
 _MS_OF = re.compile(r"([\d,]+(?:\.\d+)?) ms of (?:a |the )?([\d,]+(?:\.\d+)?) ms")
 _LOADER = re.compile(r"\bloader (\d+)\b")
+_RANK = re.compile(r"^rank (\d+): ")
 COMMS = "comms"
 
 
@@ -150,23 +151,31 @@ def _passes(summary: RunSummary) -> Iterable[str]:
 
 def _loader_named(summary: RunSummary) -> Iterable[str]:
     """A loader fix names the loader the figures point at: of the loaders like it (with workers, or without), the
-    one the training steps waited on most (fetches inside validation passes left out)."""
-    loaders = [x for x in summary.loaders if x.batches > 0]
-    if len(loaders) < 2:
-        return
+    one the training steps waited on most (fetches inside validation passes left out). A merged job's fix whose
+    evidence says "rank R: loader N" is checked against rank R's own loaders."""
+    by_rank = {r.meta.rank: r.loaders for r in summary.ranks}
     for fix in summary.fixes:
         if not fix.id.startswith("loader."):
             continue
-        named = {int(n) for line in fix.evidence for n in _LOADER.findall(line)}
-        for index in named:
-            target = next((x for x in loaders if x.index == index), None)
-            if target is None:
-                continue
-            alike = [x for x in loaders if (x.num_workers == 0) == (target.num_workers == 0)]
-            busiest = max(x.step_fetch_s for x in alike)
-            if target.step_fetch_s < LOADER_TIE * busiest:
-                listed = ", ".join(f"loader {x.index} {x.step_fetch_s:.2f} s" for x in alike)
-                yield f"fix {fix.id} names loader {index}, but the steps waited on another one more ({listed})"
+        for line in fix.evidence:
+            rank = _RANK.match(line)
+            loaders = by_rank.get(int(rank.group(1)), summary.loaders) if rank else summary.loaders
+            for index in (int(n) for n in _LOADER.findall(line)):
+                wrong = _not_the_busiest(loaders, index)
+                if wrong:
+                    yield f"fix {fix.id} names loader {index}, but the steps waited on another one more ({wrong})"
+
+
+def _not_the_busiest(loaders: list[LoaderInfo], index: int) -> str | None:
+    """The loaders like loader ``index`` with their wait (s) when another one was waited on clearly more; else None."""
+    fed = [x for x in loaders if x.batches > 0]
+    target = next((x for x in fed if x.index == index), None)
+    if target is None or len(fed) < 2:
+        return None
+    alike = [x for x in fed if (x.num_workers == 0) == (target.num_workers == 0)]
+    if target.step_fetch_s >= LOADER_TIE * max(x.step_fetch_s for x in alike):
+        return None
+    return ", ".join(f"loader {x.index} {x.step_fetch_s:.2f} s" for x in alike)
 
 
 def _synchronous_ranks(ranks: list[RunSummary]) -> Iterable[str]:
