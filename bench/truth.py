@@ -55,7 +55,8 @@ Scores (right / wrong / n/a per case; the table gives % right over the applicabl
    cause of the expected bound. The fix ids aimed at each kind of cause:
 
    - data (loader costs): ``loader.num_workers``, ``loader.io_bound``, ``loader.transform_bound``,
-     ``loader.prefetch``; the evidence must name the Dataset class of the loader with the most own data_wait;
+     ``loader.prefetch``; the evidence must name the Dataset class of the loader with the most own data_wait among
+     those given a cost (a free loader's wait is its workers' hand-over, which load stretches: not injected);
    - own oversubscription (4–6 CPU-bound workers on 2 cores): ``loader.too_many_workers``, ``host.threads``,
      ``loader.transform_bound`` (a ``loader.*`` one naming the Dataset class);
    - optimizer (its step sleeps/burns): ``optimizer.fused``, ``optimizer.foreach`` (the catalogue's only fixes of

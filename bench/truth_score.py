@@ -94,7 +94,7 @@ class Expectation:
     contention_ok: bool  # background load: the contention stated, with confidence lowered, also counts
     straggler: tuple[int, str] | None
     causes: dict[str, str]  # acceptable bound -> the kind of cause (a key of AIMED) its first fix should aim at
-    fix_loader: str | None  # the Dataset class a loader fix must name (the most own data_wait)
+    fix_loader: str | None  # the Dataset class a loader fix must name (the injected loader with the most own wait)
     fix_lines: dict[str, int]  # "checkpoint"/"log" -> the script line a host fix must name
     fix_rank: int | None  # the rank a fix aimed at the straggler's cause must name
     straggler_group: str | None
@@ -280,7 +280,17 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
     straggler = None
     if s is not None:
         straggler = (s.rank, "other" if s.phase in ("checkpoint", "log") else s.phase)
-    waits = {name: max(o.loader_wait.get(name, 0.0) for o in own) for name in own[0].loader_wait}
+    # The loader a fix must name is the injected cause's: of the loaders given a cost (and loader 0, which carries
+    # a data straggler's), the one the script waited on most. A free loader's wait is its workers' hand-over,
+    # which a loaded machine stretches: not an injected cost.
+    injected = {ld.name for ld in spec.loaders if ld.cost}
+    if s is not None and s.phase == "data_wait" and spec.loaders:
+        injected.add(spec.loaders[0].name)
+    waits = {
+        name: max(o.loader_wait.get(name, 0.0) for o in own)
+        for name in own[0].loader_wait
+        if not injected or name in injected
+    }
     return Expectation(
         checks=checks,
         val_passes=min(o.val_passes for o in own),
