@@ -143,9 +143,10 @@ class EvalDetector:
     def _end(self, tracker: Any, now: int, keep: bool) -> None:
         moved = [f for f in self._before if f.loader in self._pass_loaders] if keep else []
         if moved:
-            self.batches += sum(f.batch for f in moved)
-            self.samples += sum(f.samples for f in moved)
-            tracker.take_from_step(sum(f.batch for f in moved), sum(f.samples for f in moved))
+            batches, samples = sum(f.batch for f in moved), sum(f.samples for f in moved)
+            self.batches += batches
+            self.samples += samples
+            tracker.take_from_step(batches, samples)
             self._step_loaders -= {f.loader for f in moved if f.loader is not None}  # the pass's, not training's
         tracker.scope._end_eval(
             now,

@@ -266,10 +266,9 @@ def _clock_rank(ranks: list[RunSummary]) -> RunSummary | None:
     return max(timed, key=lambda r: r.wall.window_s / r.steps.measured) if timed else None  # type: ignore[union-attr]
 
 
-def _job_eval(ranks: list[RunSummary]) -> dict[str, Any]:
-    """The job's validation passes: those of the rank whose window is the job's clock, else of the lowest rank that
-    validated ({} when none did; every rank keeps its own)."""
-    clock = _clock_rank(ranks)
+def _job_eval(ranks: list[RunSummary], clock: RunSummary | None) -> dict[str, Any]:
+    """The job's validation passes: those of ``clock``, the rank whose window is the job's clock, else of the lowest
+    rank that validated ({} when none did; every rank keeps its own)."""
     chosen = clock if clock is not None and clock.eval else next((r for r in ranks if r.eval), None)
     return {**chosen.eval, "rank": _rank(chosen)} if chosen is not None else {}
 
@@ -292,6 +291,7 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         names += [n for n in r.phases if n not in names]
     phases = {n: _merge_phase([r.phases[n] for r in ranks if n in r.phases]) for n in names}
     throughput = job_throughput(ranks)
+    clock = _clock_rank(ranks)
     cluster = Cluster(
         world_size=world,
         ranks_reported=[_rank(r) for r in ranks],
@@ -340,8 +340,8 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         ),
         phases=phases,
         throughput=throughput,
-        wall=clock.wall if (clock := _clock_rank(ranks)) is not None else None,
-        eval=_job_eval(ranks),
+        wall=clock.wall if clock is not None else None,
+        eval=_job_eval(ranks, clock),
         meta=meta,
         notes=notes,
         ranks=ranks,
