@@ -512,9 +512,8 @@ def _ab(tmp_path, *args: str, timeout: float = 120) -> tuple[subprocess.Complete
     return done, orjson.loads(out.read_bytes())
 
 
-# Three short runs per variant: one stalled by another test worker's processes can widen the interval past 1.
-# Until the A/B statistics use each run's steps (issue 20), this real A/B runs alone, after the parallel part.
-@pytest.mark.serial
+# Sleep-bound variants: another test's processes beside them slow every run alike, and the statistics use each
+# run's steps, so these real A/Bs run in the parallel part.
 def test_real_ab_finds_a_halved_step_and_no_difference_between_identical_variants(tmp_path):
     # 10 ms vs 20 ms of sleep per step; "same" is the baseline again. One A/B of 9 short runs checks both.
     done, data = _ab(
@@ -548,8 +547,6 @@ def test_real_ab_finds_a_halved_step_and_no_difference_between_identical_variant
     assert "fast vs slow:" in done.stdout and "fast is faster" in done.stdout
 
 
-# Nine short runs of subprocesses: alone, after the parallel part, like the A/B above.
-@pytest.mark.serial
 def test_real_starved_loader_gain_is_found_with_3_runs_and_an_a_a_reads_no_difference(tmp_path):
     # Every sample sleeps 5 ms: one process fetches a batch of 4 in 20 ms, two workers in about 10 (a true ~2x,
     # sleep-bound, so a loaded machine slows neither much; few long sleeps, as each wake-up waits for a core under

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -157,7 +158,9 @@ def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
     assert s.params and s.params[0]["unused"] == [] and s.params[0]["steps"] >= 1
     fix = next(f for f in s.fixes if f.id == "ddp.find_unused_parameters")
     assert any("found no parameter without a gradient" in line for line in fix.evidence)
-    assert any(line.startswith("line 15: model = DistributedDataParallel(") for line in fix.evidence), fix.evidence
+    # Where load made one rank the straggler, the job's fixes are that rank's, each line prefixed "rank R: ".
+    lines = [re.sub(r"^rank \d+: ", "", line) for line in fix.evidence]
+    assert any(line.startswith("line 15: model = DistributedDataParallel(") for line in lines), fix.evidence
 
 
 def test_compilation_inside_the_measured_steps_is_named(tmp_path):

@@ -217,6 +217,14 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def _shut_down(iterator: Iterator[Any]) -> None:
+    """Stop a failed iterator's workers now. The exception's traceback holds the iterator (torch's frames refer to
+    it), so its workers would live until a garbage collection, whose join then waits 5 s for each of them."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def measure_loader(
     loader: Any,
     batches: int = 300,
@@ -269,6 +277,12 @@ def measure_loader(
             except StopIteration:  # a new epoch with nothing in it: the data cannot fill the window
                 ended = True
                 break
+            except BaseException:
+                _shut_down(iterator)
+                raise
+        except BaseException:
+            _shut_down(iterator)
+            raise
         t1 = clock()
         if seen == 0:
             startup_ns = t1 - t_iter
