@@ -178,7 +178,7 @@ def multi_rank_summary(pipeline: bool = True) -> RunSummary:
     ranks = [rank_summary(0, 10.0), rank_summary(1, 24.0)]
     fix = Fix(
         id="loader.num_workers",
-        title=f"Load batches in worker processes {EVIL}",
+        title=f"Load batches in enough worker processes {EVIL}",
         why=f"every batch is built in the training process {EVIL}",
         evidence=[f"loader 0 ({EVIL}) has num_workers=0", f"kernel {EVIL} runs 2 ms"],
         how=f"DataLoader(..., num_workers=4) {EVIL}",
@@ -280,7 +280,7 @@ def test_a_full_summary_has_every_section_in_order():
 def test_fixes_show_rank_cost_and_gain_bound():
     page = render_html(multi_rank_summary())
     fixes = section_of(page, "fixes")
-    assert f"1. Load batches in worker processes {EVIL_ESCAPED}" in fixes
+    assert f"1. Load batches in enough worker processes {EVIL_ESCAPED}" in fixes
     assert '<span class="tag cost-config">config</span><span class="tag gain">≤ 39% of step time</span>' in fixes
     assert 'style="width:39.0%"' in fixes
     assert "2. Stop reading GPU values every step" in fixes and "gain not bounded" in fixes

@@ -34,6 +34,7 @@ from stepscope.summary import (
     StepSeries,
     Straggler,
     Verdict,
+    Wall,
 )
 
 STEP_MS = 100.0
@@ -341,8 +342,31 @@ def workers_zero() -> Case:
 
 
 @negative("loader.num_workers")
-def workers_two() -> Case:
+def workers_filling_the_cores() -> Case:
+    # 2 workers and the training process on 3 cores: no core for another computing worker.
+    return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=3)}))
+
+
+@positive(
+    "loader.num_workers",
+    0.6,
+    "loader 0 (ToyDataset) has num_workers=2, and the step still waits for it: 60% of the step (60.0 ms of 100.0 ms)",
+)
+def workers_two_of_eight_cores() -> Case:
     return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=8)}))
+
+
+@positive(
+    "loader.num_workers",
+    0.6,
+    "loader 0 (ToyDataset) has num_workers=2, and the step still waits for it: 60% of the step (60.0 ms of 100.0 ms)",
+)
+def sleeping_workers_that_cannot_keep_up() -> Case:
+    # 2 workers at 10% of a core each on 3 cores: they wait (a read), so more of them overlap more waits.
+    host = {"workers_cpu_util_pct": 20.0, "workers_max": 2}
+    summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=3)})
+    summary.system["host"] = host
+    return Case(summary)
 
 
 @negative("loader.num_workers")
@@ -1144,6 +1168,24 @@ def test_the_validation_fix_is_a_share_of_wall_time_not_of_the_step():
     assert fix.evidence[1] == "a pass runs 30 forward(s) over 30 batch(es)"
 
 
+@pytest.mark.parametrize(
+    ("val_share", "data_share", "first"),
+    [
+        (0.30, 0.25, "loader.num_workers"),  # 25% of the steps' 70% of the wall (17.5%) beats half of 30%
+        (0.60, 0.65, "eval.frequency"),  # half of 60% beats 65% of the steps' 40% of the wall (26%)
+    ],
+)
+def test_step_and_wall_fixes_rank_on_one_scale(val_share: float, data_share: float, first: str):
+    # A data-bound step with validation passes beside it: both fixes are config. Validating half as often saves
+    # half the passes' time; a step fix saves its share of the steps' part of the window.
+    case = workers_zero()
+    case.summary.phases = make_summary({"data_wait": data_share, "forward": 1 - data_share}).phases
+    case.summary.eval = eval_case(val_share).summary.eval
+    case.summary.wall = Wall(window_s=10.0, steps_s=10.0 * (1 - val_share), eval_s=10.0 * val_share)
+    fixes, _ = diagnose(case)
+    assert ids(fixes)[:2] == [first, ({"loader.num_workers", "eval.frequency"} - {first}).pop()]
+
+
 @pytest.mark.parametrize(("rule_id", "build"), NEGATIVE, ids=[_label(n) for n in NEGATIVE])
 def test_rule_is_silent_on_a_near_miss(rule_id: str, build: Builder):
     assert rule_id not in fired(build())
@@ -1182,7 +1224,8 @@ def test_absent_facts_silence_every_fact_rule(rule_id: str, build: Builder, gain
     fixes, notes = diagnose(case)
     assert notes == []
     assert set(ids(fixes)) <= SUMMARY_RULES
-    if rule_id in SUMMARY_RULES - {"debug.anomaly"}:  # anomaly mode may rest on the runtime flag
+    # Anomaly mode may rest on the runtime flag; more computing workers rest on the cores fact.
+    if rule_id in SUMMARY_RULES - {"debug.anomaly"} and build is not workers_two_of_eight_cores:
         assert rule_id in ids(fixes)  # what it rests on is still measured
 
 

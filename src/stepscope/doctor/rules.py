@@ -23,7 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepscope.analyses.loader import WAITING_WORKERS_CPU, LoaderSettings, waiting_workers, worker_cap
+from stepscope.analyses.loader import (
+    WAITING_WORKERS_CPU,
+    WAITING_WORKERS_MAX,
+    LoaderSettings,
+    waiting_workers,
+    worker_cap,
+)
 from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import cores_of, ranks_per_machine, threads_for_workers
 from stepscope.doctor.lint import LintHit
@@ -36,10 +42,13 @@ from stepscope.doctor.verdict import (
     workers_kept,
 )
 from stepscope.record import TOTAL
-from stepscope.summary import COSTS, Fix, RunSummary, Straggler
+from stepscope.summary import COSTS, Fix, LoaderInfo, RunSummary, Straggler
 
 # Thresholds, as fractions of the measured step unless said otherwise.
 MIN_DATA_SHARE = 0.05  # data_wait below this: loader fixes cannot gain enough to be worth listing
+# Workers leave a wait of their own (each batch's hand-over from a worker): below this share of the step on a loader
+# that has workers, more of them would not gain enough to be worth listing.
+MORE_WORKERS_MIN_SHARE = 0.10
 IO_MIN_DATA_SHARE = 0.30  # an idle process waits on storage only when waiting for data is much of its step
 # Conservative (low) copy bandwidths, bytes/s, so that a copy's time bounds from above what saving it can gain.
 CPU_COPY_BYTES_PER_S = 2e9
@@ -213,25 +222,28 @@ def loader_shares(case: Case) -> dict[int, float]:
 
 @rule(
     "loader.num_workers",
-    "Load batches in worker processes",
-    "With num_workers=0 every batch is read, decoded and collated in the training process, between steps: "
-    "the model waits for each one.",
-    "DataLoader(..., num_workers=N, persistent_workers=True) with N up to the cores you can spare per rank.",
+    "Load batches in enough worker processes",
+    "With num_workers=0 every batch is read, decoded and collated in the training process, between steps; with too "
+    "few workers they cannot keep up. Either way the model waits for each batch.",
+    "DataLoader(..., num_workers=N, persistent_workers=True) with N up to the cores you can spare per rank, or more "
+    "when the fetch mostly waits.",
     "config",
 )
 def _loader_workers(case: Case) -> Finding | None:
+    if not case.measured:
+        return None
     shares = loader_shares(case)
-    loaders = [x for x in case.summary.loaders if x.num_workers == 0 and shares.get(x.index, 0.0) > 0]
-    if not loaders or not case.measured:
+    helped = [x for x in case.summary.loaders if shares.get(x.index, 0.0) > 0 and _more_workers_help(case, x)]
+    if not helped:
         return None
-    loader = max(loaders, key=lambda x: shares[x.index])  # the one the step waits for most
+    loader = max(helped, key=lambda x: shares[x.index])  # of those more workers can help, the one waited for most
     data = shares[loader.index]
-    if data < MIN_DATA_SHARE:
+    if data < (MORE_WORKERS_MIN_SHARE if loader.num_workers else MIN_DATA_SHARE):
         return None
+    if loader.num_workers > 0:
+        return _more_workers(case, loader, data)
     cores, local = case.cores(), case.local_ranks()
     waits = bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
-    if cores and case.loader_workers() * local >= cores and not waits:
-        return None  # another loader's workers already fill the cores: more workers would only time-share them
     hint, workers = None, None
     swept = (case.summary.dataloader.get("best") or {}).get("settings")
     if swept is not None and swept["num_workers"] == 0 and case.summary.dataloader.get("sweep_skipped"):
@@ -270,6 +282,58 @@ def _loader_workers(case: Case) -> Finding | None:
     ]
     apply = None if workers is None else f"loader.num_workers={workers}"
     return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
+
+
+def _workers_wait(case: Case) -> bool:
+    """Whether the loader workers mostly wait (storage, a sleep) rather than compute: their CPU, with their wait for
+    one, under ``WAITING_WORKERS_CPU`` of a core each, and the main thread never waited for cores they held."""
+    host = case.summary.system.get("host", {})
+    workers_cpu, workers = host.get("workers_cpu_util_pct"), host.get("workers_max")
+    if workers_cpu is None or not workers or _held(case):
+        return False
+    return workers_cpu + (host.get("run_delay_workers_pct") or 0.0) < WAITING_WORKERS_CPU * 100 * workers
+
+
+def _held(case: Case) -> float:
+    """The share of the step the main thread waited for the cores this job's loader workers held (the verdict
+    charges it to them)."""
+    return sum(case.groups.get(g, 0.0) * (1.0 - kept) for g, kept in case.kept.items())
+
+
+def _more_workers_help(case: Case, loader: LoaderInfo) -> bool:
+    """Whether more workers for ``loader`` can shorten the step's wait for it: it has none and no other loader's
+    workers fill the cores; or its workers mostly wait (more overlap more waits); or they compute and the cores
+    have room for more (a core per worker, one for the training process) that the workers do not already hold."""
+    cores, local = case.cores(), case.local_ranks()
+    if loader.num_workers == 0:
+        waits = bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
+        return waits or not cores or case.loader_workers() * local < cores
+    if _workers_wait(case):
+        return True
+    return bool(cores) and not _held(case) and case.loader_workers() < worker_cap(cores, local)
+
+
+def _more_workers(case: Case, loader: LoaderInfo, data: float) -> Finding:
+    """The fix for a loader whose workers cannot keep up: as many workers again as the wait asks for when they
+    mostly wait (each delivers a batch every ``W × step`` ms; the rest of the step takes one every ``rest`` ms),
+    else up to the cores."""
+    step, waits = case.ms(TOTAL), _workers_wait(case)
+    rest = max(step - data * step, 0.5)
+    if waits:
+        needed = math.ceil(loader.num_workers * step / rest)
+        workers = min(max(needed, loader.num_workers + 1), max(WAITING_WORKERS_MAX, loader.num_workers + 1))
+        why = f"its workers mostly wait: {workers} overlap more of the waits, using no core"
+    else:
+        workers = worker_cap(case.cores(), case.local_ranks())  # type: ignore[arg-type]
+        why = f"{case.cores():g} usable cores, {case.local_ranks()} rank(s) on this machine"
+    evidence = [
+        f"loader {loader.index} ({loader.dataset}) has num_workers={loader.num_workers}, and the step still waits "
+        f"for it: {pct(data)} of the step ({data * step:.1f} ms of {step:.1f} ms)",
+    ]
+    hint = f"DataLoader(..., num_workers={workers}, persistent_workers=True) ({why})"
+    return Finding(
+        evidence, data, "at most the time spent waiting for data", how=hint, apply=f"loader.num_workers={workers}"
+    )
 
 
 def _fetch_busy_pct(case: Case) -> float | None:
@@ -402,13 +466,10 @@ def _too_many_workers(case: Case) -> Finding | None:
     if not cores:
         return None
     busy = [x for x in case.summary.loaders if x.num_workers * world > cores]
-    host = case.summary.system.get("host", {})
-    workers_cpu, workers = host.get("workers_cpu_util_pct"), host.get("workers_max")
-    runnable = None if workers_cpu is None else workers_cpu + (host.get("run_delay_workers_pct") or 0.0)
-    # The main thread's wait for the cores the workers held (the verdict charged it to them): they compute, even
-    # when each one idles between batches waiting for its turn to hand its batch over.
-    held = sum(case.groups.get(g, 0.0) * (1.0 - kept) for g, kept in case.kept.items())
-    if not held and runnable is not None and workers and runnable < WAITING_WORKERS_CPU * 100 * workers:
+    # Workers the main thread waited for the cores of (the verdict charged that to them) compute, even when each
+    # one idles between batches waiting for its turn to hand its batch over.
+    held = _held(case)
+    if _workers_wait(case):
         return None  # the workers mostly wait (I/O), not for a CPU: more of them than cores overlaps the waits
     if not busy:
         return None
@@ -1214,7 +1275,7 @@ def _slow_start(summary: RunSummary) -> bool:
 def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
     """Every fix whose rule applies, ranked: fixes bounded below ``MATERIAL_GAIN`` of the step last; then cheapest
     cost first; within a cost, fixes whose problem distorts the other measurements (``FIRST``, never demoted), then
-    the largest gain bound (unbounded last).
+    the largest share of the wall window the bound can save (unbounded last; ``_rank_key``).
     Returns the fixes and a note for each rule that failed on unexpected facts (the others still run). For a
     multi-rank job whose ranks wait for one straggler, the fixes and their bounds are the job's (``job_fixes``)."""
     fixes, notes = findings(case)
@@ -1222,13 +1283,29 @@ def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
     if straggler is not None:
         fixes, more = job_fixes(case, straggler, fixes)
         notes += more
-    fixes.sort(key=_rank_key)
+    in_steps = _steps_share(case.summary)
+    fixes.sort(key=lambda fix: _rank_key(fix, in_steps))
     return fixes, notes
 
 
-def _rank_key(fix: Fix) -> tuple[bool, int, bool, bool, float]:
+# A wall-time fix (validate less often) trades away work the job chose to do, so its bound (every pass gone) is
+# never the gain: it ranks by its smallest step, validating half as often, which saves half the passes' time.
+WALL_TRADE_STEP = 0.5
+
+
+def _steps_share(summary: RunSummary) -> float:
+    """The share of the measured wall window inside training steps (1 when not measured)."""
+    wall = summary.wall
+    return wall.steps_s / wall.window_s if wall is not None and wall.window_s > 0 else 1.0
+
+
+def _rank_key(fix: Fix, in_steps: float) -> tuple[bool, int, bool, bool, float]:
+    """Step-time and wall-time bounds ranked on one scale, the share of the wall window each can save: a step-time
+    bound saves its share of the steps' part of the window (``in_steps``)."""
     minor = fix.id not in FIRST and fix.gain_bound is not None and fix.gain_bound < MATERIAL_GAIN
-    return minor, COSTS.index(fix.cost), fix.id not in FIRST, fix.gain_bound is None, -(fix.gain_bound or 0.0)
+    bound = fix.gain_bound or 0.0
+    wall_gain = WALL_TRADE_STEP * bound if fix.gain_basis == "wall" else in_steps * bound
+    return minor, COSTS.index(fix.cost), fix.id not in FIRST, fix.gain_bound is None, -wall_gain
 
 
 def _saved_ms(fix: Fix, summary: RunSummary) -> float | None:
