@@ -341,6 +341,13 @@ def workers_zero() -> Case:
     return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=0, pin_memory=False)], facts=facts))
 
 
+# The doctor's loader ceiling: loader 0 alone delivers 1.05x what training consumed.
+SLOW_ALONE = {
+    "index": 0,
+    "against_training": {"input_bound": True, "loader_ceiling": 105.0, "headroom": 1.05, "train_rate": 100.0},
+}
+
+
 @negative("loader.num_workers")
 def workers_filling_the_cores() -> Case:
     # 2 workers and the training process on 3 cores: no core for another computing worker.
@@ -353,6 +360,15 @@ def workers_filling_the_cores() -> Case:
     "loader 0 (ToyDataset) has num_workers=2, and the step still waits for it: 60% of the step (60.0 ms of 100.0 ms)",
 )
 def workers_two_of_eight_cores() -> Case:
+    summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=8)})
+    summary.dataloader = SLOW_ALONE
+    return Case(summary)
+
+
+@negative("loader.num_workers")
+def workers_waited_on_but_not_measured_slow() -> Case:
+    # The step waits on a loader with workers, but nothing measured it too slow: on a busy machine each batch's
+    # hand-over from a worker alone can take this long, and more workers would not shorten it.
     return Case(make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=8)}))
 
 
@@ -366,6 +382,7 @@ def sleeping_workers_that_cannot_keep_up() -> Case:
     host = {"workers_cpu_util_pct": 20.0, "workers_max": 2}
     summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=2)], facts={"threads": threads_fact(cores=3)})
     summary.system["host"] = host
+    summary.dataloader = SLOW_ALONE
     return Case(summary)
 
 

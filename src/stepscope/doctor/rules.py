@@ -303,14 +303,29 @@ def _held(case: Case) -> float:
 def _more_workers_help(case: Case, loader: LoaderInfo) -> bool:
     """Whether more workers for ``loader`` can shorten the step's wait for it: it has none and no other loader's
     workers fill the cores; or its workers mostly wait (more overlap more waits); or they compute and the cores
-    have room for more (a core per worker, one for the training process) that the workers do not already hold."""
+    have room for more (a core per worker, one for the training process) that the workers do not already hold;
+    with workers, only when it was measured too slow for the step (``_cannot_keep_up``)."""
     cores, local = case.cores(), case.local_ranks()
     if loader.num_workers == 0:
         waits = bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
         return waits or not cores or case.loader_workers() * local < cores
+    if not _cannot_keep_up(case, loader):
+        return False  # a wait beside workers may be each batch's hand-over (a busy machine stretches it)
     if _workers_wait(case):
         return True
     return bool(cores) and not _held(case) and case.loader_workers() < worker_cap(cores, local)
+
+
+def _cannot_keep_up(case: Case, loader: LoaderInfo) -> bool:
+    """Whether ``loader``, which has workers, was measured too slow for the step: alone it delivers at most what
+    training consumed (the loader ceiling), or the loader sweep measured more workers faster."""
+    found = case.summary.dataloader
+    if found.get("index", 0) != loader.index:
+        return False
+    swept = (found.get("best") or {}).get("settings") or {}
+    return bool((found.get("against_training") or {}).get("input_bound")) or (
+        swept.get("num_workers", 0) > loader.num_workers
+    )
 
 
 def _more_workers(case: Case, loader: LoaderInfo, data: float) -> Finding:
@@ -319,7 +334,11 @@ def _more_workers(case: Case, loader: LoaderInfo, data: float) -> Finding:
     else up to the cores."""
     step, waits = case.ms(TOTAL), _workers_wait(case)
     rest = max(step - data * step, 0.5)
-    if waits:
+    swept = (case.summary.dataloader.get("best") or {}).get("settings") or {}
+    if swept.get("num_workers", 0) > loader.num_workers:
+        workers = swept["num_workers"]
+        why = "the loader sweep's best"
+    elif waits:
         needed = math.ceil(loader.num_workers * step / rest)
         workers = min(max(needed, loader.num_workers + 1), max(WAITING_WORKERS_MAX, loader.num_workers + 1))
         why = f"its workers mostly wait: {workers} overlap more of the waits, using no core"
@@ -330,6 +349,12 @@ def _more_workers(case: Case, loader: LoaderInfo, data: float) -> Finding:
         f"loader {loader.index} ({loader.dataset}) has num_workers={loader.num_workers}, and the step still waits "
         f"for it: {pct(data)} of the step ({data * step:.1f} ms of {step:.1f} ms)",
     ]
+    against = case.summary.dataloader.get("against_training") or {}
+    if against.get("input_bound"):
+        evidence.append(
+            f"measured alone it delivers {against['loader_ceiling']:.1f} samples/s, only {against['headroom']:.2f}× "
+            f"the {against['train_rate']:.1f} samples/s training consumed"
+        )
     hint = f"DataLoader(..., num_workers={workers}, persistent_workers=True) ({why})"
     return Finding(
         evidence, data, "at most the time spent waiting for data", how=hint, apply=f"loader.num_workers={workers}"
