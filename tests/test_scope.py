@@ -578,3 +578,51 @@ def test_metrics_carry_the_latest_system_readings():
     assert metrics["sys/cpu_util"] >= 0 and "perf/step_time" in metrics
     assert not any(key.startswith("sys/gpu") for key in metrics)  # no GPU in use: absent, not zero
     assert not any(key.startswith("sys/") for key in scope.metrics())  # closed: no live readings
+
+
+# -- phase names -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "shown"),
+    [
+        (123, TypeError, "int 123"),
+        (None, TypeError, "NoneType None"),
+        (("a", "b"), TypeError, "tuple ('a', 'b')"),
+        (1.5, TypeError, "float 1.5"),
+        (["forward"], TypeError, "list ['forward']"),
+        (b"forward", TypeError, "bytes b'forward'"),
+        ("", ValueError, "''"),
+        ("  ", ValueError, "'  '"),
+        ("total", ValueError, "'total'"),
+        ("other", ValueError, "'other'"),
+    ],
+)
+def test_a_phase_name_that_is_not_a_usable_string_is_refused_at_the_call(clock, name, error, shown):
+    scope = Scope(clock=clock, warmup=0, timing="host")
+    with pytest.raises(error) as raised:
+        scope.phase(name)
+    assert shown in str(raised.value)
+    # Refused names leave nothing behind: the summary still serialises, with the good phases only.
+    with scope.phase("forward"):
+        clock.advance(2)
+    scope.step(batch_size=4)
+    with pytest.raises(error):
+        scope.phase(name)  # refused again, not cached
+    summary = scope.summary()
+    assert list(summary.phases) == ["forward", "other", "total"]
+    assert '"forward"' in summary.to_json()
+
+
+def test_a_custom_phase_name_is_checked_once_not_per_call(clock, monkeypatch):
+    import stepscope.scope as scope_module
+
+    checked = []
+    real = scope_module.check_phase_name
+    monkeypatch.setattr(scope_module, "check_phase_name", lambda name: checked.append(name) or real(name))
+    scope = Scope(clock=clock, warmup=0, timing="host")
+    for _ in range(50):
+        with scope.phase("my phase"):
+            clock.advance(1)
+        scope.step()
+    assert checked == ["my phase"]

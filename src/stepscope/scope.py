@@ -18,6 +18,7 @@ import math
 import numbers
 import os
 import platform
+import reprlib
 import socket
 import sys
 import weakref
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
 from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
 from stepscope.invariants import between_note, check
-from stepscope.record import DATA_PHASE, EVAL_PHASE, OTHER_PHASE, EvalPasses, Recorder, StepRecord, summarize
+from stepscope.record import DATA_PHASE, EVAL_PHASE, OTHER_PHASE, TOTAL, EvalPasses, Recorder, StepRecord, summarize
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary, Wall
 
@@ -39,6 +40,19 @@ log = logging.getLogger("stepscope")
 T = TypeVar("T")
 
 TIMINGS = ("auto", "host", "cuda")
+
+
+def check_phase_name(name: object) -> str:
+    """``name`` if it can name a phase: a non-blank string other than ``other`` and ``total`` (which stepscope
+    computes itself). Anything else raises at the call, naming the value, so a summary never holds a key that
+    its JSON cannot (a number, None, a tuple) or a row with no name."""
+    if not isinstance(name, str):
+        raise TypeError(f"Scope.phase() takes a string name, not {type(name).__name__} {reprlib.repr(name)}")
+    if not name.strip():
+        raise ValueError(f"Scope.phase() needs a non-blank name, not {name!r}")
+    if name in (OTHER_PHASE, TOTAL):
+        raise ValueError(f"Scope.phase({name!r}): {name!r} is computed by stepscope; choose another name")
+    return name
 
 
 def env_enabled(enabled: bool) -> bool:
@@ -437,19 +451,30 @@ class Scope:
 
     def phase(self, name: str) -> _HostPhase:
         """A context manager timing ``name`` (canonical: data_wait, h2d, forward, backward, clip, optimizer,
-        zero_grad, sync; any other name is a custom phase). Phases may nest; a nested phase's time stays in
-        its parent's share and is reported separately. A phase entered while it is already open is part of the
-        open one (counted once). A phase whose body raises still closes. Only the thread that first used the scope
-        is timed: a phase opened on another thread is a no-op (one warning, and a note in the summary)."""
+        zero_grad, sync; any other non-blank string but ``other`` and ``total`` is a custom phase; a name that is
+        not a string, blank, ``other`` or ``total`` raises TypeError or ValueError naming it). Phases may nest; a
+        nested phase's time stays in its parent's share and is reported separately. A phase entered while it is
+        already open is part of the open one (counted once). A phase whose body raises still closes. Only the
+        thread that first used the scope is timed: a phase opened on another thread is a no-op (one warning, and a
+        note in the summary)."""
         if get_ident() != self._thread and not self._claim("phase"):
             return NULL_PHASE  # type: ignore[return-value]
-        return self._phases.get(name) or self._new_phase(name)
+        try:  # costs nothing unless it raises (3.11+); a name is checked once, when first seen (_new_phase)
+            return self._phases.get(name) or self._new_phase(name)
+        except TypeError:
+            check_phase_name(name)  # an unhashable name (a list): say which
+            raise
 
     def _phase_any_thread(self, name: str) -> _HostPhase:
         """``phase`` without the thread rule, for a scope driven by stepscope's own hooks (`enabled_scope`)."""
-        return self._phases.get(name) or self._new_phase(name)
+        try:
+            return self._phases.get(name) or self._new_phase(name)
+        except TypeError:
+            check_phase_name(name)
+            raise
 
     def _new_phase(self, name: str) -> _HostPhase:
+        check_phase_name(name)
         kind = _EvalPhase if name == EVAL_PHASE else self._phase_type
         phase = self._phases[name] = kind(self, name)
         return phase
