@@ -1,6 +1,10 @@
-"""Merging per-rank summaries: cluster figures, the straggler, dead ranks, exits."""
+"""Merging per-rank summaries: cluster figures, the straggler, dead ranks, exits; files merge must skip."""
+
+import subprocess
+import sys
 
 import pytest
+from run_helpers import run_env
 
 from stepscope.instrument.merge import find_straggler, merge
 from stepscope.summary import Exit, Meta, PhaseStats, RunSummary, Steps, Throughput
@@ -82,3 +86,60 @@ def test_merged_summary_round_trips_through_json(tmp_path):
     loaded = RunSummary.from_json(path)
     assert loaded == merged
     assert loaded.cluster.straggler.rank == 1
+
+
+# -- `stepscope merge` on files it must skip (a real merge process) ------------------------------------------------
+
+
+def _merge_cli(*paths):
+    cmd = [sys.executable, "-m", "stepscope", "merge", *map(str, paths)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=run_env())
+
+
+def test_merge_names_each_skipped_file_and_why_when_none_is_readable(tmp_path):
+    good = tmp_path / "good.json"
+    rank(0, {"forward": 10.0}).to_json(good)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "text.json").write_text("hello\n")
+    (folder / "cut.json").write_text(good.read_text()[:120])
+    (folder / "list.json").write_text("[1, 2]\n")
+    result = _merge_cli(folder)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    for name, why in (
+        ("cut.json", "is not valid JSON"),
+        ("list.json", "not a stepscope summary"),
+        ("text.json", "JSON"),
+    ):
+        (line,) = [line for line in lines if f"{name} was skipped" in line]
+        assert why in line and str(folder / name) in line, lines
+    assert lines[-1].startswith("stepscope: no stepscope summary could be read"), lines
+    assert "3 file(s) skipped, each for the reason above" in lines[-1], lines
+    assert len(lines) == 4, lines  # one sentence per file, then the count
+
+
+@pytest.mark.parametrize(
+    ("bad", "world", "why"), [(-3, 2, "outside the job's ranks 0 to 1"), (2, 2, "rank 2"), (-1, None, "rank -1")]
+)
+def test_merge_skips_a_summary_whose_rank_is_outside_the_job(tmp_path, bad, world, why):
+    rank(0, {"forward": 10.0}, world=world).to_json(tmp_path / "r0.json")
+    rank(1, {"forward": 10.0}, world=world).to_json(tmp_path / "r1.json")
+    rank(bad, {"forward": 10.0}, world=world).to_json(tmp_path / "odd.json")
+    result = _merge_cli(tmp_path, "--json", tmp_path / "job.out")
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "odd.json" in line]
+    assert line.startswith(f"stepscope: {tmp_path / 'odd.json'} was skipped: it says") and why in line, line
+    job = RunSummary.from_json(tmp_path / "job.out")
+    assert [r.meta.rank for r in job.ranks] == [0, 1]
+    assert "ranks: 2 of 2 reported" in result.stdout and "wrote no summary" not in result.stdout, result.stdout
+
+
+def test_merge_of_only_out_of_range_ranks_fails_with_each_reason(tmp_path):
+    rank(-3, {"forward": 10.0}).to_json(tmp_path / "a.json")
+    rank(7, {"forward": 10.0}).to_json(tmp_path / "b.json")
+    result = _merge_cli(tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "a.json was skipped: it says rank -3, outside the job's ranks 0 to 1 (world size 2)." in result.stderr
+    assert "b.json was skipped: it says rank 7, outside the job's ranks 0 to 1 (world size 2)." in result.stderr
+    assert "2 file(s) skipped" in result.stderr.splitlines()[-1]

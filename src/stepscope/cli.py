@@ -192,6 +192,8 @@ def _merge(args: argparse.Namespace) -> int:
         found = gather(args.paths)
         world = check_one_job(found)
     except MergeError as error:
+        for note in error.notes:  # why each file was skipped, before the sentence that counts them
+            print(f"stepscope: {note}", file=sys.stderr)
         raise UsageError(str(error)) from None
     for note in found.notes:
         print(f"stepscope: {note}", file=sys.stderr)

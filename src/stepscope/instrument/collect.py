@@ -21,7 +21,12 @@ RANK_FILES = "rank*-pid*.json"
 
 
 class MergeError(ValueError):
-    """The inputs cannot be merged into one job (different jobs, nothing readable); the message says why."""
+    """The inputs cannot be merged into one job (different jobs, nothing readable); the message says why, and
+    ``notes`` says why each file was skipped (one sentence each)."""
+
+    def __init__(self, message: str, notes: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.notes = notes or []
 
 
 @dataclass
@@ -36,6 +41,20 @@ class Gathered:
 
 def _rank(summary: RunSummary) -> int:
     return summary.meta.rank if summary.meta.rank is not None else 0
+
+
+def rank_problem(summary: RunSummary) -> str | None:
+    """Why ``summary``'s rank cannot be one of its job's (outside ``[0, world_size)``), or None when it can."""
+    rank, world = summary.meta.rank, summary.meta.world_size
+    if world is not None and world < 1:
+        return f"it says the job has {world} process(es) (world size); a job has at least 1"
+    if rank is None:
+        return None
+    if world is not None and not 0 <= rank < world:
+        return f"it says rank {rank}, outside the job's ranks 0 to {world - 1} (world size {world})"
+    if rank < 0:
+        return f"it says rank {rank}; a rank is 0 or more"
+    return None
 
 
 def _files(inputs: Iterable[str | Path]) -> list[Path]:
@@ -59,8 +78,8 @@ def _key(summary: RunSummary) -> tuple[str | None, int, str, int | None]:
 
 def gather(inputs: Iterable[str | Path]) -> Gathered:
     """Read the summaries in ``inputs`` (files, and folders of them) as rank summaries. A file that is not a
-    stepscope summary, or is broken, is a note and is skipped; raises MergeError when a named path does not exist
-    or nothing could be read."""
+    stepscope summary, is broken, or names a rank outside ``[0, world_size)`` is a note and is skipped; raises
+    MergeError (with those notes) when a named path does not exist or nothing could be read."""
     found = Gathered()
     chosen: dict[tuple[str | None, int, str, int | None], RunSummary] = {}
     files = _files(inputs)
@@ -69,6 +88,10 @@ def gather(inputs: Iterable[str | Path]) -> Gathered:
             summary = RunSummary.from_json(path)
         except SummaryError as error:
             found.notes.append(f"{path} was skipped: {error}")
+            continue
+        problem = next(filter(None, map(rank_problem, summary.ranks or [summary])), None)
+        if problem:
+            found.notes.append(f"{path} was skipped: {problem}.")
             continue
         if summary.fixes or "lint" in summary.facts:
             found.lint = found.lint or summary.facts.get("lint", [])
@@ -82,8 +105,9 @@ def gather(inputs: Iterable[str | Path]) -> Gathered:
     if not chosen:
         raise MergeError(
             f"no stepscope summary could be read from {', '.join(map(str, inputs))}"
-            + (f" ({len(files)} file(s) skipped; see above)" if files else " (no .json files there)")
-            + "."
+            + (f" ({len(files)} file(s) skipped, each for the reason above)" if files else " (no .json files there)")
+            + ".",
+            found.notes,
         )
     found.ranks = sorted(chosen.values(), key=_rank)
     return found
