@@ -19,7 +19,7 @@ import pytest
 import torch
 from run_helpers import run_env, stepscope_run, torchrun
 
-from stepscope.instrument.apply import APPLIABLE, ApplyError, Injector, parse_fixes
+from stepscope.instrument.apply import APPLIABLE, ApplyError, Injector, parse_fixes, worker_limit
 from stepscope.instrument.hooks import patcher
 
 TRAIN = """
@@ -92,8 +92,14 @@ def test_parse_fixes_defaults_aliases_and_values() -> None:
     [
         (["loader.workers=2"], "not a fix stepscope can apply; appliable: loader.num_workers"),
         (["loader.num_workers"], "needs a value"),
-        (["loader.num_workers=-1"], "whole number >= 0"),
-        (["loader.prefetch=0"], "whole number >= 1"),
+        (["loader.num_workers=-1"], "takes a whole number in digits 0-9, from 0 to"),
+        (["loader.num_workers=²"], "'²' is not one"),  # str.isdigit() says yes, int() raises
+        (["loader.num_workers=١"], "'١' is not one"),  # Arabic-Indic one: int() reads 1
+        (["loader.num_workers=+2"], "'+2' is not one"),
+        (["loader.num_workers=100000"], "100000 is out of range"),
+        (["loader.num_workers=" + "9" * 5000], "out of range"),  # past int()'s digit limit: no traceback
+        (["loader.prefetch=0"], "from 1 to 64; 0 is out of range"),
+        (["loader.prefetch=65"], "from 1 to 64; 65 is out of range"),
         (["optimizer.foreach=maybe"], "takes on or off"),
         (["tf32=fast"], "takes highest, high, medium"),
         (["optimizer.foreach", "optimizer.foreach=off"], "more than once"),
@@ -104,6 +110,50 @@ def test_parse_fixes_refuses_with_the_reason(words: list[str], said: str) -> Non
     with pytest.raises(ApplyError, match=None) as error:
         parse_fixes(words)
     assert said in str(error.value)
+
+
+def test_worker_count_bound_is_four_per_usable_core_and_stated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stepscope.collectors.host as host
+
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(host, "usable_cores", lambda: 3)
+    assert parse_fixes(["loader.num_workers=12"]) == [{"id": "loader.num_workers", "value": 12}]
+    with pytest.raises(ApplyError) as error:
+        parse_fixes(["loader.num_workers=13"])
+    assert str(error.value) == (
+        "--apply loader.num_workers=13: loader.num_workers takes a whole number in digits 0-9, from 0 to 12 "
+        "(4 per usable core, 3 core(s) here); 13 is out of range."
+    )
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 1.5)  # a cgroup quota of 1.5 cores: 2 cores' worth
+    assert worker_limit() == (8, "4 per usable core, 2 core(s) here")
+
+
+def test_worker_count_bound_follows_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    import stepscope.collectors.host as host
+
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(host, "usable_cores", lambda: 64)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 4096))
+    limit, why = worker_limit()
+    assert limit == (256 - 64) // 8 == 24
+    assert why == "the open-file limit here, 256 (`ulimit -n`), allows about 8 files per worker"
+
+
+def test_verify_skips_a_fix_whose_value_this_machine_refuses_with_the_reason() -> None:
+    from stepscope.instrument.verify import plan
+    from stepscope.summary import Fix
+
+    limit, why = worker_limit()
+    fixes = [
+        Fix("loader.num_workers", "t", "w", [], "h", "config", 0.5, apply=f"loader.num_workers={limit + 1}"),
+        Fix("optimizer.foreach", "t", "w", [], "h", "config", 0.1),
+    ]
+    chosen = plan(fixes, top=2, allow_numerics=False)
+    assert [arg for _, arg in chosen.chosen] == ["optimizer.foreach"]
+    (skipped,) = chosen.skipped
+    assert skipped.startswith("loader.num_workers is not verified: --apply loader.num_workers=") and why in skipped
 
 
 def test_unknown_error_lists_every_appliable_id() -> None:
@@ -231,6 +281,19 @@ def test_unknown_fix_is_a_usage_error_before_the_script_runs(tmp_path: Path) -> 
     result = stepscope_run(tmp_path, "--apply", "loader.workers=2", str(train))
     assert result.returncode == 2, result.describe()
     assert "'loader.workers' is not a fix stepscope can apply; appliable: loader.num_workers" in result.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("value", ["100000", "²", "١", "LIMIT+1"])
+def test_a_worker_count_out_of_bounds_is_a_usage_error_before_the_script_runs(tmp_path: Path, value: str) -> None:
+    limit, why = worker_limit()
+    value = str(limit + 1) if value == "LIMIT+1" else value
+    marker = tmp_path / "ran"
+    train = _script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
+    result = stepscope_run(tmp_path, "--apply", f"loader.num_workers={value}", str(train))
+    assert result.returncode == 2, result.describe()
+    (line,) = result.stderr.splitlines()  # one sentence, no traceback
+    assert line.startswith(f"stepscope: --apply loader.num_workers={value}: ") and f"from 0 to {limit} ({why})" in line
     assert not marker.exists()
 
 

@@ -37,13 +37,16 @@ class Appliable:
     default: Any
     injects: str
     minimum: int = 0
+    maximum: int | None = None  # a fixed bound for a count; loader.num_workers's depends on the machine
 
 
 FIXES = (
     Appliable("loader.num_workers", "count", None, "DataLoader(num_workers=N) at construction"),
     Appliable("loader.persistent_workers", "bool", True, "DataLoader(persistent_workers=...) where it has workers"),
     Appliable("loader.pin_memory", "bool", True, "DataLoader(pin_memory=...) where an accelerator exists"),
-    Appliable("loader.prefetch", "count", 4, "DataLoader(prefetch_factor=N) where it has workers", minimum=1),
+    Appliable(
+        "loader.prefetch", "count", 4, "DataLoader(prefetch_factor=N) where it has workers", minimum=1, maximum=64
+    ),
     Appliable("tf32", "precision", "high", "torch.set_float32_matmul_precision and cuDNN's allow_tf32, at import"),
     Appliable("cudnn.benchmark", "bool", True, "torch.backends.cudnn.benchmark, at import"),
     Appliable("debug.anomaly", "bool", False, "torch.set_anomaly_enabled, at import"),
@@ -115,12 +118,54 @@ def parse_fixes(texts: list[str]) -> list[dict[str, Any]]:
     return fixes
 
 
+WORKERS_PER_CORE = 4  # loader workers per usable core at most: past that they only contend for the cores
+FILES_PER_WORKER = 8  # open files the training process holds per loader worker (torch's queues take ~4), with room
+FILES_KEPT = 64  # open files left to the script itself
+
+
+def worker_limit() -> tuple[int, str]:
+    """The most loader workers ``--apply loader.num_workers`` may ask of one DataLoader on this machine, and why
+    in words: 4 per usable core (cgroup quota, else CPU affinity), and no more than the open-file limit allows (each
+    worker holds files in the training process: past the limit, worker start-up fails with "Too many open files")."""
+    import math
+
+    from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
+
+    try:
+        quota = cgroup_cpu_quota()
+    except Exception:  # an unreadable cgroup: the affinity still says
+        quota = None
+    cores = math.ceil(quota) if quota else usable_cores()
+    limit, why = WORKERS_PER_CORE * cores, f"{WORKERS_PER_CORE} per usable core, {cores} core(s) here"
+    try:
+        import resource
+
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # RLIM_INFINITY is -1
+    except (ImportError, OSError, ValueError):  # no such limit (Windows)
+        files = -1
+    if files >= 0 and (files - FILES_KEPT) // FILES_PER_WORKER < limit:
+        limit = max(1, (files - FILES_KEPT) // FILES_PER_WORKER)
+        why = f"the open-file limit here, {files} (`ulimit -n`), allows about {FILES_PER_WORKER} files per worker"
+    return limit, why
+
+
+def _count(fix: Appliable, raw: str, text: str) -> int:
+    """A count as ASCII digits (no sign, no other script's digits, no superscripts), within the fix's bounds."""
+    maximum, why = worker_limit() if fix.id == "loader.num_workers" else (fix.maximum, "")
+    span = f"at least {fix.minimum}" if maximum is None else f"from {fix.minimum} to {maximum}"
+    wanted = f"{fix.id} takes a whole number in digits 0-9, {span}" + (f" ({why})" if why else "")
+    if not (raw.isascii() and raw.isdigit()):
+        raise ApplyError(f"--apply {text}: {wanted}; {raw!r} is not one.")
+    value = int(raw) if len(raw) <= 9 else None  # 10**9 is past any bound; int() refuses very long digit strings
+    if value is None or value < fix.minimum or (maximum is not None and value > maximum):
+        raise ApplyError(f"--apply {text}: {wanted}; {raw} is out of range.")
+    return value
+
+
 def _value(fix: Appliable, raw: str, text: str) -> Any:
     word = raw.lower()
     if fix.kind == "count":
-        if not word.isdigit() or int(word) < fix.minimum:
-            raise ApplyError(f"--apply {text}: {fix.id} takes a whole number >= {fix.minimum}, not {raw!r}.")
-        return int(word)
+        return _count(fix, raw, text)
     if fix.kind == "precision":
         if word in PRECISIONS:
             return word

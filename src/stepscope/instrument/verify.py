@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from stepscope.analyses.ab import FASTER, SLOWER, ABResult, Comparison, Settings
 from stepscope.instrument.ab import Variant, run_ab
-from stepscope.instrument.apply import APPLIABLE, parse_fixes
+from stepscope.instrument.apply import APPLIABLE, ApplyError, parse_fixes
 from stepscope.instrument.launch import Target
 from stepscope.summary import Fix, RunSummary
 
@@ -56,9 +56,20 @@ def plan(fixes: list[Fix], top: int, allow_numerics: bool) -> VerifyPlan:
             chosen.skipped.append(f"{fix.id} is not verified: it is a {fix.cost} change --apply cannot make at runtime")
         elif fix.changes_numerics and not allow_numerics:
             chosen.skipped.append(f"{fix.id} is not verified: it changes numerics (--allow-numerics verifies it)")
+        elif (refused := _refused(argument)) is not None:  # a value past this machine's bound (workers, say)
+            chosen.skipped.append(f"{fix.id} is not verified: {refused}")
         else:
             chosen.chosen.append((fix, argument))
     return chosen
+
+
+def _refused(argument: str) -> str | None:
+    """Why ``--apply`` would refuse ``argument`` on this machine, or None when it takes it."""
+    try:
+        parse_fixes([argument])
+    except ApplyError as error:
+        return str(error)
+    return None
 
 
 def _queue_steps(applied: list[dict[str, object]]) -> int:
