@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import subprocess
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 import orjson
 import pytest
+from run_helpers import run_env
 from test_summary import full_summary
 
 from stepscope import PipelineMonitor, RunSummary, Scope, SummaryError
@@ -312,3 +315,76 @@ def test_monitor_ignores_bad_counts_with_one_warning(caplog, call, bad):
     assert len(warnings) == 1, warnings
     summary = json.dumps(mon.to_summary(), allow_nan=False)  # nothing non-finite reaches the summary
     assert "NaN" not in summary
+
+
+# -- budget, wait and time options: finite, positive (or >= 0 where 0 means something) -------------------------------
+
+
+BAD_OPTIONS = [
+    (["doctor", "--verify-budget-s", "-1"], "--verify-budget-s: must be a finite number of seconds > 0, got '-1'"),
+    (["doctor", "--verify-budget-s", "nan"], "--verify-budget-s: must be a finite number of seconds > 0, got 'nan'"),
+    (["doctor", "--verify-budget-s", "inf"], "--verify-budget-s: must be a finite number of seconds > 0, got 'inf'"),
+    (["doctor", "--verify-budget-s", "0"], "--verify-budget-s: must be a finite number of seconds > 0, got '0'"),
+    (["doctor", "--sweep-budget-s", "1e400"], "--sweep-budget-s: must be a finite number of seconds > 0"),
+    (["doctor", "--sweep-budget-s", "0"], "--sweep-budget-s: must be a finite number of seconds > 0"),
+    (["dataloader", "--budget-s", "-1"], "--budget-s: must be a finite number of seconds > 0, got '-1'"),
+    (["dataloader", "--budget-s", "NaN"], "--budget-s: must be a finite number of seconds > 0, got 'NaN'"),
+    (["run", "--out-wait-s", "-5"], "--out-wait-s: must be a finite number of seconds >= 0, got '-5'"),
+    (["run", "--out-wait-s", "1e999"], "--out-wait-s: must be a finite number of seconds >= 0, got '1e999'"),
+    (["run", "--checkpoint-s", "0"], "--checkpoint-s: must be a finite number of seconds >= 1, got '0'"),
+    (["run", "--checkpoint-s", "nan"], "--checkpoint-s: must be a finite number of seconds >= 1, got 'nan'"),
+    (["run", "--out-wait-s", "١"], "--out-wait-s: must be a finite number of seconds >= 0, got '١'"),
+    (["run", "--steps", "١٠"], "--steps: must be a whole number in digits 0-9, got '١٠'"),
+    (["run", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    (["run", "--sample-hz", "nan"], "--sample-hz: must be 0 (off) or in (0, 20] Hz"),
+    (["dump", "--interval-s", "0", "1"], "--interval-s: must be a finite number of seconds > 0, got '0'"),
+    (["dump", "--interval-s", "-0.5", "1"], "--interval-s: must be a finite number of seconds > 0, got '-0.5'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "said"), BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_a_budget_wait_or_time_option_refuses_nonsense(argv, said, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "train.py"] if argv[0] != "dump" else argv)
+    assert info.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ab", "--fail-if-slower", "nan", "--variant", "a=python x.py", "--variant", "b=python x.py"],
+        ["ab", "--fail-if-slower", "inf", "--variant", "a=python x.py", "--variant", "b=python x.py"],
+    ],
+)
+def test_fail_if_slower_refuses_nan_and_infinity(argv, capsys):
+    assert main(argv) == 2
+    assert "--fail-if-slower must be a finite percentage >= 0" in capsys.readouterr().err
+
+
+def test_sensible_values_still_parse():
+    from stepscope.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--out-wait-s", "0", "--checkpoint-s", "1.5"])
+    assert (args.out_wait_s, args.checkpoint_s) == (0.0, 1.5)
+    args = build_parser().parse_args(["doctor", "--verify-budget-s", "0.5", "--sweep-budget-s", "1e3"])
+    assert (args.verify_budget_s, args.sweep_budget_s) == (0.5, 1000.0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--out-wait-s", "-5"],
+        ["doctor", "--verify", "1", "--verify-budget-s", "nan"],
+        ["dataloader", "--budget-s", "-1"],
+    ],
+)
+def test_a_bad_time_option_stops_before_the_script_runs(tmp_path, argv):
+    marker = tmp_path / "ran"
+    train = tmp_path / "train.py"
+    train.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    cmd = [sys.executable, "-m", "stepscope", *argv, str(train)]
+    result = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"argument {argv[-2]}: must be a finite number of seconds" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not marker.exists()

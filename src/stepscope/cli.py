@@ -493,7 +493,7 @@ def _interval(sample_hz: float) -> float | None:
 
 def _sample_hz(text: str) -> float:
     """An argparse type: a sampling rate in Hz, 0 (off) or up to 20."""
-    value = float(text)
+    value = float(text) if text.isascii() else math.nan
     if not (value == 0 or 0 < value <= 20):
         raise argparse.ArgumentTypeError(f"must be 0 (off) or in (0, 20] Hz, got {text}")
     return value
@@ -503,15 +503,26 @@ def _sample_hz(text: str) -> float:
 MIN_CHECKPOINT_S = 1.0
 
 
-def _checkpoint_seconds(text: str) -> float:
-    """An argparse type: the checkpoint period in seconds, a finite number >= MIN_CHECKPOINT_S."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value >= MIN_CHECKPOINT_S):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= {MIN_CHECKPOINT_S:g}, got {text}")
-    return value
+def _finite(minimum: float = 0.0, *, zero: bool = False, unit: str = "seconds") -> Any:
+    """An argparse type: a finite number of ``unit`` in ASCII (no NaN, no infinity), above ``minimum`` (or at it
+    where ``zero``: a wait of 0 s means "do not wait"; a budget or interval of 0 means nothing)."""
+    relation = ">=" if zero else ">"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text) if text.isascii() else math.nan
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value >= minimum if zero else value > minimum)):
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} {relation} {minimum:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+_checkpoint_seconds = _finite(MIN_CHECKPOINT_S, zero=True)
+_positive_seconds = _finite(0.0)
+_seconds_or_zero = _finite(0.0, zero=True)
 
 
 class UsageError(Exception):
@@ -522,6 +533,8 @@ def _int_at_least(minimum: int) -> Any:
     """An argparse type: an integer no smaller than ``minimum``."""
 
     def parse(text: str) -> int:
+        if not text.strip().isascii():  # int() reads other scripts' digits ('١' as 1)
+            raise argparse.ArgumentTypeError(f"must be a whole number in digits 0-9, got {text!r}")
         value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
@@ -537,7 +550,7 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
     verb.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop (default 200)")
     verb.add_argument("--json", metavar="PATH", help="write the RunSummary here")
     verb.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
-    verb.add_argument("--batch-size", type=int, help="samples per step when the script has no DataLoader")
+    verb.add_argument("--batch-size", type=_int_at_least(1), help="samples per step when the script has no DataLoader")
     verb.add_argument(
         "--checkpoint-s",
         type=_checkpoint_seconds,
@@ -661,8 +674,9 @@ def _ab(args: argparse.Namespace) -> int:
     from stepscope.instrument.ab import parse_variants, run_ab
     from stepscope.report.ab import print_ab
 
-    if args.fail_if_slower is not None and args.fail_if_slower < 0:
-        raise UsageError(f"--fail-if-slower must be a percentage >= 0, got {args.fail_if_slower:g}.")
+    pct = args.fail_if_slower
+    if pct is not None and not (math.isfinite(pct) and pct >= 0):
+        raise UsageError(f"--fail-if-slower must be a finite percentage >= 0, got {pct:g}.")
     try:
         variants = parse_variants(args.variant or [])
     except ValueError as error:
@@ -723,9 +737,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--out-wait-s",
-        type=float,
+        type=_seconds_or_zero,
         default=30.0,
-        help="with --out: how long to wait for the other nodes' ranks to write their summaries (s, default 30)",
+        help="with --out: how long to wait for the other nodes' ranks to write their summaries (s, 0: do not wait; "
+        "default 30)",
     )
     run.set_defaults(func=_run)
 
@@ -773,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument(
         "--sweep-budget-s",
-        type=float,
+        type=_positive_seconds,
         default=60.0,
         help="seconds the sweep may take (default 60)",
     )
@@ -792,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument(
         "--verify-budget-s",
-        type=float,
+        type=_positive_seconds,
         default=900.0,
         help="start no verification run that would end past this many seconds (default 900)",
     )
@@ -811,7 +826,9 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--batches", type=_int_at_least(1), default=300, help="batches to measure (default 300)")
     loader.add_argument("--warmup", type=_int_at_least(0), default=20, help="batches to skip first (default 20)")
     loader.add_argument("--sweep", action="store_true", help="also try other num_workers/prefetch/pin settings")
-    loader.add_argument("--budget-s", type=float, default=120.0, help="time limit of the sweep, s (default 120)")
+    loader.add_argument(
+        "--budget-s", type=_positive_seconds, default=120.0, help="time limit of the sweep, s (default 120)"
+    )
     loader.add_argument("--device", default="cpu", help="also copy each batch there and time the copy (cuda, cuda:1)")
     loader.add_argument("--loader", type=_int_at_least(0), help="measure the N-th loader the script iterates (0-based)")
     loader.add_argument(
@@ -840,9 +857,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Samples the process and its descendants with py-spy dump. Exit code: 0 busy or idle, 1 looks "
         "hung, 2 py-spy is missing or may not read the process.",
     )
-    dump.add_argument("pid", type=int, help="the run's pid: stepscope's, the launcher's or one rank's")
+    dump.add_argument("pid", type=_int_at_least(1), help="the run's pid: stepscope's, the launcher's or one rank's")
     dump.add_argument("--samples", type=_int_at_least(2), default=5, help="dumps to compare (default 5)")
-    dump.add_argument("--interval-s", type=float, default=0.5, help="seconds between two dumps (default 0.5)")
+    dump.add_argument(
+        "--interval-s", type=_positive_seconds, default=0.5, help="seconds between two dumps (default 0.5)"
+    )
     dump.add_argument("--json", metavar="PATH", help="write the threads, stacks and verdict here")
     dump.set_defaults(func=_dump)
 
@@ -878,7 +897,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--json", metavar="PATH", help="write the variants, runs and comparisons here")
     ab.add_argument(
         "--fail-if-slower",
-        type=float,
+        type=float,  # checked in _ab: a usage error of ab is one "stepscope: " sentence
         metavar="PCT",
         help="exit 1 when a variant is slower than the first by more than PCT%% with confidence (a CI gate)",
     )
