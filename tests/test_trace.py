@@ -3,8 +3,10 @@
 Three sources of truth:
 
 - synthetic traces built here event by event (`Kineto`, tests/kineto.py), whose answers are known exactly;
-- the real traces of Holistic Trace Analysis' test data in /work/shared/traces/hta (skipped where absent);
-- the numbers HTA 0.5.0 computed on those traces, in tests/data/hta_reference.json (skipped where absent).
+- the real traces of Holistic Trace Analysis' test data, listed in tests/data/traces/hta.sha256 and kept in
+  tests/data/traces/hta (the six over 1 MB are looked for beside the repository: tests/data/traces/README.md);
+- the numbers HTA 0.5.0 computed on those traces, in tests/data/hta_reference.json.
+A missing trace or reference fails its test, naming the file; none is skipped.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import gzip
+import hashlib
 import itertools
 import json
 import os
@@ -34,9 +37,14 @@ from stepscope.analyses.trace.stream import TraceFile, TraceReadError, iter_even
 from stepscope.cli import main
 from stepscope.summary import RunSummary
 
-SHARED = Path("/work/shared/traces")
-HTA = SHARED / "hta"
-REFERENCE = Path(__file__).parent / "data" / "hta_reference.json"
+DATA = Path(__file__).resolve().parent / "data"
+REPO = DATA.parent.parent
+TRACES = DATA / "traces"
+HTA = TRACES / "hta"  # HTA's test traces under 1 MB, in the repository (tests/data/traces/README.md)
+# Where the larger ones may be, relative to the repository: inside it, or beside it (/work/shared on the dev VMs).
+HTA_ELSEWHERE = (REPO / "shared" / "traces" / "hta", REPO.parent / "shared" / "traces" / "hta")
+MANIFEST = TRACES / "hta.sha256"
+REFERENCE = DATA / "hta_reference.json"
 NOT_KINETO = {
     "execution_trace/benchmark_simple_add_et.json.gz": (
         "this is a PyTorch execution trace (ExecutionTraceObserver), not a Kineto trace"
@@ -49,7 +57,23 @@ COMM = "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, nccl
 GEMM = "void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_256x64_16x4_nn_align4>(Params)"
 ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)"
 LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
-needs_hta_traces = pytest.mark.skipif(not HTA.is_dir(), reason=f"the real traces are absent ({HTA})")
+
+
+def hta_file(relative: str) -> Path:
+    """HTA's test trace (or folder) at ``relative`` inside its tests/data: the repository's copy, else one beside
+    the repository. Fails the test, naming where it looked, when there is none."""
+    for root in (HTA, *HTA_ELSEWHERE):
+        if (root / relative).exists():
+            return root / relative
+    looked = ", ".join(str(root) for root in (HTA, *HTA_ELSEWHERE))
+    pytest.fail(f"HTA's test trace {relative} is missing (looked in {looked}); tests/data/traces/README.md says how "
+                "to get it")  # fmt: skip
+
+
+def manifest() -> dict[str, str]:
+    """Every file of HTA's test data the tests use (relative to its tests/data) with its SHA-256."""
+    lines = MANIFEST.read_text().splitlines()
+    return {line[66:].removeprefix("hta/"): line[:64] for line in lines if line.strip()}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,15 +236,20 @@ def test_stream_tolerates_zero_padding_after_gzip(tmp_path, small_chunks, paddin
     assert events == json.loads(raw)["traceEvents"]
 
 
-def _stream_cases() -> list[Any]:
-    if not HTA.is_dir():
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"the real traces are absent ({HTA})"))]
-    files = sorted(p for p in HTA.rglob("*") if p.is_file() and p.relative_to(HTA).as_posix() not in NOT_KINETO)
-    return [pytest.param(p, id=p.relative_to(HTA).as_posix()) for p in files]
+def test_every_real_trace_is_found_unchanged():
+    """Each file of the manifest is in the repository (or beside it, for the large ones) with its SHA-256: a
+    missing or altered trace fails here, by name."""
+    found = manifest()
+    assert len(found) == 32, f"{MANIFEST} lists {len(found)} files, not HTA's 32"
+    for relative, digest in sorted(found.items()):
+        assert hashlib.sha256(hta_file(relative).read_bytes()).hexdigest() == digest, f"{relative} differs from HTA's"
+    copied = sorted(p.relative_to(HTA).as_posix() for p in HTA.rglob("*") if p.is_file())
+    assert set(copied) <= set(found), f"files in {HTA} that the manifest does not list: {set(copied) - set(found)}"
 
 
-@pytest.mark.parametrize("path", _stream_cases())
-def test_stream_equals_json_load_on_real_traces(path, small_chunks, no_gc):
+@pytest.mark.parametrize("relative", sorted(set(manifest()) - set(NOT_KINETO)))
+def test_stream_equals_json_load_on_real_traces(relative, small_chunks, no_gc):
+    path = hta_file(relative)
     small_chunks(4096)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
@@ -236,11 +265,10 @@ def test_stream_equals_json_load_on_real_traces(path, small_chunks, no_gc):
     assert info.bytes_read == len(raw)
 
 
-@needs_hta_traces
 def test_stream_reads_a_real_trace_split_into_gzip_members(tmp_path, no_gc):
     """`cat a.gz b.gz`: at the default chunk size, the first member ends in a decompress call fed the previous call's
     unconsumed input (its output was capped at CHUNK_BYTES); the next member must be read once, from its first byte."""
-    raw = gzip.decompress((HTA / "nccl_parser_config/nccl_data.json.gz").read_bytes())
+    raw = gzip.decompress(hta_file("nccl_parser_config/nccl_data.json.gz").read_bytes())
     cut = len(raw) * 9 // 10  # a first member of 8.8 MB decompressed: more than one capped decompress call
     path = tmp_path / "two-members.json.gz"
     path.write_bytes(gzip.compress(raw[:cut], 1) + gzip.compress(raw[cut:], 1))
@@ -874,21 +902,13 @@ def test_to_dict_is_json(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _reference() -> dict[str, Any] | None:
-    return json.loads(REFERENCE.read_text()) if REFERENCE.exists() else None
-
-
 def _reference_cases() -> list[Any]:
-    reference = _reference()
-    if reference is None:
-        return [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no HTA reference at {REFERENCE}"))]
-    root = Path(reference.get("traces_root") or SHARED)
-    cases = []
-    for relative, entry in sorted(reference.get("traces", {}).items()):
-        path = root / relative
-        marks = [] if path.exists() else [pytest.mark.skip(reason=f"{path} is absent")]
-        cases.append(pytest.param(path, entry, id=relative.removeprefix("hta/"), marks=marks))
-    return cases
+    """One case per file or folder HTA was run on (its path relative to HTA's tests/data); a missing reference is
+    one failing case."""
+    if not REFERENCE.exists():
+        return [pytest.param(None, None, id="reference-missing")]
+    traces = json.loads(REFERENCE.read_text()).get("traces", {})
+    return [pytest.param(r.removeprefix("hta/"), e, id=r.removeprefix("hta/")) for r, e in sorted(traces.items())]
 
 
 TOLERANCE_PP = 0.5  # HTA rounds its percentages to 2 decimals
@@ -901,9 +921,12 @@ def _close(mine: float | None, hta: float | None, what: str, rank: int) -> None:
         assert mine is not None and abs(mine - hta) <= TOLERANCE_PP, f"rank {rank} {what}: stepscope {mine}, HTA {hta}"
 
 
-@pytest.mark.parametrize("path, entry", _reference_cases())
-def test_agrees_with_hta(path, entry):
+@pytest.mark.parametrize("relative, entry", _reference_cases())
+def test_agrees_with_hta(relative, entry):
     """analyze_trace on each file (or folder) HTA was run on gives HTA's figures within 0.5 percentage points."""
+    if relative is None:
+        pytest.fail(f"HTA's reference figures are missing: {REFERENCE} (bench/hta_reference.py writes it)")
+    path = hta_file(relative)
     analysis = analyze_trace(path, jobs=1, top=50)
     hta_ranks = entry.get("ranks") or {}
     if not hta_ranks:
@@ -935,14 +958,12 @@ def test_agrees_with_hta(path, entry):
 
 
 @pytest.mark.parametrize("relative, reason", list(NOT_KINETO.items()), ids=list(NOT_KINETO))
-@needs_hta_traces
 def test_not_kineto_files_get_their_reason(relative, reason):
-    analysis = analyze_trace(HTA / relative, jobs=1)
+    analysis = analyze_trace(hta_file(relative), jobs=1)
     assert analysis.ranks == []
     assert [(f.ok, f.reason) for f in analysis.files] == [(False, reason)]
 
 
-@needs_hta_traces
 @pytest.mark.parametrize(
     "relative, rank, source, device",
     [
@@ -955,46 +976,42 @@ def test_not_kineto_files_get_their_reason(relative, reason):
     ],
 )
 def test_real_trace_rank_and_device(relative, rank, source, device, no_gc):
-    t = read_trace(HTA / relative)
+    t = read_trace(hta_file(relative))
     assert (t.rank, t.rank_source, t.device_type) == (rank, source, device)
 
 
-@needs_hta_traces
 def test_rank_from_the_file_name_of_a_real_trace(tmp_path):
-    shutil.copy(HTA / "rank_unavailable/rank_not_found.json.gz", tmp_path / "rank-3.json.gz")
+    shutil.copy(hta_file("rank_unavailable/rank_not_found.json.gz"), tmp_path / "rank-3.json.gz")
     rank = only_rank(analyze_trace(tmp_path, jobs=1))
     assert (rank.rank, rank.rank_source) == (3, "file name")
 
 
-@needs_hta_traces
 @pytest.mark.parametrize("relative", ["amd_trace/mi250_minitoy_train_ROCm6_2_kineto.json.gz",
                                       "mtia_inference_trace/mtia_inference_rank_0.json.gz"])  # fmt: skip
 def test_amd_and_mtia_traces_are_analysed(relative):
-    rank = only_rank(analyze_trace(HTA / relative, jobs=1))
+    rank = only_rank(analyze_trace(hta_file(relative), jobs=1))
     assert rank.idle_pct is not None and rank.top_kernels, "device figures for a non-CUDA accelerator"
     assert rank.idle_pct + rank.compute_pct + rank.non_compute_pct == approx(100, 1e-6)
 
 
-@needs_hta_traces
 @pytest.mark.parametrize("relative", ["cpu_only/rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz",
                                       "rank_non_gpu/rank_non_gpu.json.gz"])  # fmt: skip
 def test_real_cpu_only_traces(relative):
-    rank = only_rank(analyze_trace(HTA / relative, jobs=1))
+    rank = only_rank(analyze_trace(hta_file(relative), jobs=1))
     assert rank.cpu is not None and 0 <= rank.cpu.computation_pct <= 100 and rank.cpu.basis_ms > 0
     gpu = (rank.kernel_span_ms, rank.idle_pct, rank.compute_pct, rank.non_compute_pct, rank.overlap_pct)
     assert gpu == (None,) * 5 and rank.idle_breakdown is None and rank.wall is None
 
 
-@needs_hta_traces
 def test_real_truncated_and_corrupt_traces(tmp_path):
     """A real trace cut in the middle and re-gzipped, one with flipped bytes, and a good one: the good one counts."""
-    source = HTA / "trace_filter/sampled_rank-1.json.gz"
+    source = hta_file("trace_filter/sampled_rank-1.json.gz")
     raw = gzip.decompress(source.read_bytes())
     (tmp_path / "cut.json.gz").write_bytes(gzip.compress(raw[: len(raw) // 2]))
     data = source.read_bytes()
     (tmp_path / "flipped.json.gz").write_bytes(_flip(data, len(data) // 2))
     (tmp_path / "short.json.gz").write_bytes(data[: len(data) // 2])
-    shutil.copy(HTA / "trace_filter/sampled_rank-0.json.gz", tmp_path / "good.json.gz")
+    shutil.copy(hta_file("trace_filter/sampled_rank-0.json.gz"), tmp_path / "good.json.gz")
     analysis = analyze_trace(tmp_path, jobs=1)
     assert [r.rank for r in analysis.ranks] == [0]
     reasons = {Path(f.path).name: f.reason for f in analysis.files}
@@ -1017,9 +1034,8 @@ RANK_HIGHLIGHTS = {
 }  # fmt: skip
 
 
-@needs_hta_traces
 def test_highlights_of_a_real_two_rank_trace(tmp_path):
-    folder = HTA / "trace_filter"
+    folder = hta_file("trace_filter")
     analysis = analyze_trace(folder, jobs=1)
     result = highlights(analysis, folder)
     assert set(result) == {"folder", "files", "verdict", "ranks", "stragglers", "late_ranks", "warnings", "skipped"}
@@ -1207,15 +1223,14 @@ def test_nesting_below_the_limit_is_read(tmp_path):
     assert read_trace(path).events == 2
 
 
-@needs_hta_traces
 def test_cli_on_a_real_two_rank_job(tmp_path, capsys):
     out = tmp_path / "trace.json"
-    assert main(["trace", str(HTA / "trace_filter"), "--json", str(out)]) == 0
+    assert main(["trace", str(hta_file("trace_filter")), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "2 rank(s)" in printed and "bound: " in printed
     result = json.loads(out.read_text())
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
     assert result["ranks"][1]["idle_pct"] == approx(54.72, TOLERANCE_PP)
-    assert set(result["spread"][str(HTA / "trace_filter")]) >= {"idle_pct", "compute_pct", "overlap_pct"}
-    assert main(["trace", str(HTA / "trace_filter"), "--ranks", "1", "--json", str(out), "--jobs", "1"]) == 0
+    assert set(result["spread"][str(hta_file("trace_filter"))]) >= {"idle_pct", "compute_pct", "overlap_pct"}
+    assert main(["trace", str(hta_file("trace_filter")), "--ranks", "1", "--json", str(out), "--jobs", "1"]) == 0
     assert [r["rank"] for r in json.loads(out.read_text())["ranks"]] == [1]
