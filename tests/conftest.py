@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,69 @@ def burner() -> Iterator[list[int]]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # it cannot exit on its own, but be safe
                 os.kill(pid, signal.SIGKILL)
+
+
+def _cannot_create_in(folder: Path) -> bool:
+    """Whether this process is refused both by access(2) (what stepscope checks) and by an actual file creation."""
+    if os.access(folder, os.W_OK):
+        return False
+    probe = folder / ".probe"
+    try:
+        probe.touch()
+    except OSError:
+        return True
+    probe.unlink()
+    return False
+
+
+def _lock_as_root(folder: Path) -> tuple[list[str] | None, list[str]]:
+    """Make ``folder`` unwritable for root, which ignores modes: the immutable attribute (chattr +i), else a
+    read-only bind mount. Returns the command that undoes it (None when nothing worked) and why each way failed."""
+    tried: list[str] = []
+    ways = (
+        ([["chattr", "+i", str(folder)]], ["chattr", "-i", str(folder)]),
+        (
+            [["mount", "--bind", str(folder), str(folder)], ["mount", "-o", "remount,bind,ro", str(folder)]],
+            ["umount", str(folder)],
+        ),
+    )
+    for steps, undo in ways:
+        name = steps[0][0]
+        done = []
+        for step in steps:
+            try:
+                result = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as error:
+                result = subprocess.CompletedProcess(step, 1, "", str(error))
+            if result.returncode != 0:
+                tried.append(f"{' '.join(step)}: {(result.stderr or result.stdout).strip() or result.returncode}")
+                break
+            done.append(step)
+        if done and len(done) == len(steps) and _cannot_create_in(folder):
+            return undo, tried
+        if done:  # half done, or done and still writable: take it back before the next way
+            subprocess.run(undo, capture_output=True, timeout=30)
+            if len(done) == len(steps):
+                tried.append(f"{name}: the folder stayed writable")
+    return None, tried
+
+
+@pytest.fixture
+def locked_folder(tmp_path: Path) -> Iterator[Path]:
+    """An empty folder this test process cannot create files in, also as root (CI runs as root): mode 0o500 for a
+    user; as root, the immutable attribute (``chattr +i``), else a read-only bind mount. Skips, saying why, only
+    where none works. Always made writable again afterwards, so that pytest can remove its temporary folders."""
+    folder = tmp_path / "locked"
+    folder.mkdir(mode=0o500)
+    undo: list[str] | None = None
+    try:
+        if os.geteuid() == 0:
+            undo, tried = _lock_as_root(folder)
+            if undo is None:
+                pytest.skip(f"no way to make a folder unwritable for root here: {'; '.join(tried)}")
+        assert _cannot_create_in(folder), f"{folder} is still writable"
+        yield folder
+    finally:
+        if undo is not None:
+            subprocess.run(undo, check=True, capture_output=True, timeout=30)
+        folder.chmod(0o700)

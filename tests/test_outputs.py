@@ -19,7 +19,6 @@ from stepscope.cli import build_parser, main
 from stepscope.summary import Exit, RunSummary
 
 HAS_DEV_FULL = os.path.exists("/dev/full")
-NOT_ROOT = os.geteuid() != 0
 
 
 @pytest.fixture
@@ -31,18 +30,15 @@ def marker_script(tmp_path) -> tuple[Path, Path]:
     return path, marker
 
 
-def _bad_targets(tmp_path: Path) -> dict[str, tuple[str, str]]:
-    """Output paths that cannot be written, each with the end of the sentence that must say why."""
+def _bad_targets(tmp_path: Path, locked: Path) -> dict[str, tuple[str, str]]:
+    """Output paths that cannot be written, each with the end of the sentence that must say why (``locked``: a
+    folder this process cannot write, root included: the ``locked_folder`` fixture)."""
     (tmp_path / "a_file").write_text("")
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
-    targets = {
+    return {
         "folder": (str(tmp_path), f"it is a folder (give a file name, e.g. {tmp_path / 'stepscope.'}"),
         "under a file": (str(tmp_path / "a_file" / "out.x"), f"{tmp_path / 'a_file'} is a file, not a folder."),
+        "locked folder": (str(locked / "out.x"), "no write permission."),
     }
-    if NOT_ROOT:
-        targets["locked folder"] = (str(locked / "out.x"), "no write permission.")
-    return targets
 
 
 @pytest.mark.parametrize(
@@ -57,10 +53,10 @@ def _bad_targets(tmp_path: Path) -> dict[str, tuple[str, str]]:
     ],
 )
 def test_an_unwritable_output_stops_the_verb_before_the_script_starts(
-    tmp_path, marker_script, capsys, verb, option, what
+    tmp_path, locked_folder, marker_script, capsys, verb, option, what
 ):
     path, marker = marker_script
-    for kind, (target, why) in _bad_targets(tmp_path).items():
+    for kind, (target, why) in _bad_targets(tmp_path, locked_folder).items():
         assert main([verb, option, target, str(path)]) == 2, kind
         err = capsys.readouterr().err
         assert err.startswith(f"stepscope: {option} {target}: cannot write the {what}: {why}"), (kind, err)
@@ -68,11 +64,11 @@ def test_an_unwritable_output_stops_the_verb_before_the_script_starts(
         assert not marker.exists(), f"{kind}: the script ran before the check"
 
 
-def test_ab_and_trace_check_their_json_before_they_start(tmp_path, marker_script, capsys):
+def test_ab_and_trace_check_their_json_before_they_start(tmp_path, locked_folder, marker_script, capsys):
     path, marker = marker_script
     trace = tmp_path / "rank0.json"
     Kineto(rank=0).write(trace)
-    for kind, (target, why) in _bad_targets(tmp_path).items():
+    for kind, (target, why) in _bad_targets(tmp_path, locked_folder).items():
         argv = ["ab", "--json", target, "--variant", f"a=python {path}", "--variant", f"b=python {path}"]
         assert main(argv) == 2, kind
         assert capsys.readouterr().err.startswith(f"stepscope: --json {target}: cannot write the A/B results: {why}")
