@@ -116,16 +116,21 @@ def test_worker_count_bound_is_four_per_usable_core_and_stated(monkeypatch: pyte
     import stepscope.collectors.host as host
 
     monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
-    monkeypatch.setattr(host, "usable_cores", lambda: 3)
-    assert parse_fixes(["loader.num_workers=12"]) == [{"id": "loader.num_workers", "value": 12}]
+    monkeypatch.setattr(host, "usable_cores", lambda: 5)
+    assert parse_fixes(["loader.num_workers=20"]) == [{"id": "loader.num_workers", "value": 20}]
     with pytest.raises(ApplyError) as error:
-        parse_fixes(["loader.num_workers=13"])
+        parse_fixes(["loader.num_workers=21"])
     assert str(error.value) == (
-        "--apply loader.num_workers=13: loader.num_workers takes a whole number in digits 0-9, from 0 to 12 "
-        "(4 per usable core, 3 core(s) here); 13 is out of range."
+        "--apply loader.num_workers=21: loader.num_workers takes a whole number in digits 0-9, from 0 to 20 "
+        "(4 per usable core, at least 16; 5 core(s) here); 21 is out of range."
     )
-    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 1.5)  # a cgroup quota of 1.5 cores: 2 cores' worth
-    assert worker_limit() == (8, "4 per usable core, 2 core(s) here")
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 4.5)  # a cgroup quota of 4.5 cores: 5 cores' worth
+    assert worker_limit()[0] == 20
+    # A small machine still takes the workers the doctor advises for a loader that waits (up to 8; they use no core).
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(host, "usable_cores", lambda: 1)
+    assert worker_limit() == (16, "4 per usable core, at least 16; 1 core(s) here")
+    assert parse_fixes(["loader.num_workers=8"]) == [{"id": "loader.num_workers", "value": 8}]
 
 
 def test_worker_count_bound_follows_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:

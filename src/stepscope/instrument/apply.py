@@ -119,14 +119,17 @@ def parse_fixes(texts: list[str]) -> list[dict[str, Any]]:
 
 
 WORKERS_PER_CORE = 4  # loader workers per usable core at most: past that they only contend for the cores
+WORKERS_ANYWHERE = 16  # ... but this many on any machine: workers that wait on storage use no core (and the doctor
+# advises up to WAITING_WORKERS_MAX of them whatever the cores)
 FILES_PER_WORKER = 8  # open files the training process holds per loader worker (torch's queues take ~4), with room
 FILES_KEPT = 64  # open files left to the script itself
 
 
 def worker_limit() -> tuple[int, str]:
     """The most loader workers ``--apply loader.num_workers`` may ask of one DataLoader on this machine, and why
-    in words: 4 per usable core (cgroup quota, else CPU affinity), and no more than the open-file limit allows (each
-    worker holds files in the training process: past the limit, worker start-up fails with "Too many open files")."""
+    in words: 4 per usable core (cgroup quota, else CPU affinity), at least 16, and no more than the open-file limit
+    allows (each worker holds files in the training process: past the limit, worker start-up fails with "Too many
+    open files")."""
     import math
 
     from stepscope.collectors.host import cgroup_cpu_quota, usable_cores
@@ -136,7 +139,8 @@ def worker_limit() -> tuple[int, str]:
     except Exception:  # an unreadable cgroup: the affinity still says
         quota = None
     cores = math.ceil(quota) if quota else usable_cores()
-    limit, why = WORKERS_PER_CORE * cores, f"{WORKERS_PER_CORE} per usable core, {cores} core(s) here"
+    limit = max(WORKERS_PER_CORE * cores, WORKERS_ANYWHERE)
+    why = f"{WORKERS_PER_CORE} per usable core, at least {WORKERS_ANYWHERE}; {cores} core(s) here"
     try:
         import resource
 
