@@ -443,7 +443,7 @@ def _fake_launch(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     calls: list[dict] = []
     noise = iter(np.exp(np.random.default_rng(3).normal(0, 0.01, 100)))
 
-    def run(target, config, py_spy=None, env=None):
+    def run(target, config, py_spy=None, env=None, own_group=False, timeout_s=None):
         calls.append(dict(env or {}))
         if (env or {}).get("AB_FAIL"):
             return 1, RunSummary(exit=Exit(reason="error", code=1, error="RuntimeError: boom"))

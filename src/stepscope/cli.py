@@ -56,6 +56,7 @@ _VALUED = {
     "--out-wait-s",
     "--verify-repeats",
     "--verify-budget-s",
+    "--run-timeout-s",
     "--sweep-budget-s",
 }
 # Options whose value may be left out: the next word is theirs only when it is a number (``--verify 2 train.py``).
@@ -415,7 +416,7 @@ def _doctor(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     print_doctor(summary)
     _save_summary(args, summary)
-    return code
+    return _stopped_code(code) if args.verify else code
 
 
 def _verify(args: argparse.Namespace, target: Any, summary: RunSummary) -> None:
@@ -425,7 +426,7 @@ def _verify(args: argparse.Namespace, target: Any, summary: RunSummary) -> None:
 
     chosen = plan(summary.fixes, args.verify, args.allow_numerics)
     settings = Settings(repeats=args.verify_repeats, steps=args.steps, warmup=args.warmup)
-    verify(target, summary, chosen, settings, args.verify_budget_s)
+    verify(target, summary, chosen, settings, args.verify_budget_s, run_timeout_s=args.run_timeout_s)
 
 
 NO_LOADER = (
@@ -523,6 +524,12 @@ def _finite(minimum: float = 0.0, *, zero: bool = False, unit: str = "seconds") 
 _checkpoint_seconds = _finite(MIN_CHECKPOINT_S, zero=True)
 _positive_seconds = _finite(0.0)
 _seconds_or_zero = _finite(0.0, zero=True)
+
+
+RUN_TIMEOUT_HELP = (
+    "end a run still going after this many seconds, with its whole process tree, and leave it out (default: 5x the "
+    "first run, at least 60 s)"
+)
 
 
 class UsageError(Exception):
@@ -682,7 +689,8 @@ def _ab(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     _check_outputs(args, json="A/B results")
-    result = run_ab(variants, Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup))
+    settings = Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup)
+    result = run_ab(variants, settings, run_timeout_s=args.run_timeout_s)
     sys.stdout.flush()
     print_ab(result)
     if args.json:
@@ -690,7 +698,16 @@ def _ab(args: argparse.Namespace) -> int:
     code, sentences = exit_status(result, args.fail_if_slower)
     for sentence in sentences:
         print(f"stepscope: {sentence}", file=sys.stderr)
-    return code
+    return _stopped_code(code)
+
+
+def _stopped_code(code: int) -> int:
+    """A command stopped by SIGINT or SIGTERM exits as the shell says a signal ended it (130, 143), after
+    reporting what it measured."""
+    from stepscope.instrument.launch import stop_requested
+
+    signum = stop_requested()
+    return code if signum is None else 128 + signum
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -812,6 +829,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="start no verification run that would end past this many seconds (default 900)",
     )
     doctor.add_argument(
+        "--run-timeout-s",
+        type=_positive_seconds,
+        help=RUN_TIMEOUT_HELP,
+    )
+    doctor.add_argument(
         "--allow-numerics",
         action="store_true",
         help="also verify fixes that change numerics (bf16, TF32): their runs compute a slightly different model",
@@ -895,6 +917,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--steps", type=_int_at_least(1), default=100, help="steps measured per run (default 100)")
     ab.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps skipped per run (default 20)")
     ab.add_argument("--json", metavar="PATH", help="write the variants, runs and comparisons here")
+    ab.add_argument("--run-timeout-s", type=_positive_seconds, help=RUN_TIMEOUT_HELP)
     ab.add_argument(
         "--fail-if-slower",
         type=float,  # checked in _ab: a usage error of ab is one "stepscope: " sentence

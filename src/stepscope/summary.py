@@ -196,7 +196,8 @@ class Exit:
     """How the measured process ended."""
 
     # "finished" | "stopped" (after --steps) | "error" | "interrupted" | "terminated" | "killed" (only a checkpoint
-    # was left) | "running" (a checkpoint written while the process ran)
+    # was left) | "running" (a checkpoint written while the process ran) | "timeout" (one run of several ended by
+    # stepscope past its time limit)
     reason: str = "finished"
     code: int | None = None
     error: str | None = None

@@ -33,6 +33,10 @@ _STOPPED_CODES = (130, 143)
 # Host and GPU sampling period, s: 4 Hz, like `stepscope doctor`, so that a short run still has samples for its
 # peak memory.
 SAMPLE_INTERVAL_S = 0.25
+# A run's default time limit: this many times the first run's duration, and never under TIMEOUT_MIN_S (a first
+# run cut short by a fast failure must not make the limit of the others too tight to start torch).
+TIMEOUT_FACTOR = 5.0
+TIMEOUT_MIN_S = 60.0
 
 
 @dataclass
@@ -117,26 +121,41 @@ def parse_variants(texts: list[str]) -> list[Variant]:
     return variants
 
 
+def run_timeout(first_run_s: float | None) -> float | None:
+    """The default time limit of a run, s: ``TIMEOUT_FACTOR`` × the first run's duration, at least
+    ``TIMEOUT_MIN_S``; None (no limit) for the first run itself."""
+    return None if first_run_s is None else max(TIMEOUT_MIN_S, TIMEOUT_FACTOR * first_run_s)
+
+
 def run_ab(
     variants: list[Variant],
     settings: Settings,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     budget_s: float | None = None,
+    run_timeout_s: float | None = None,
 ) -> ABResult:
     """Run every variant ``settings.repeats`` times interleaved (A B A B ...), so that a drift of the machine
     (clocks, thermals, a neighbour's load) falls on both alike; then compare. Each run measures ``settings.steps``
-    steps after ``settings.warmup``, then stops. A run interrupted (Ctrl-C, SIGTERM) ends the A/B there: what was
-    measured is still compared. With ``budget_s``, no run starts that would likely end past it (the runs so far
-    give its likely length): what ran within the budget is compared."""
+    steps after ``settings.warmup``, then stops. A run interrupted (Ctrl-C, SIGTERM to stepscope or to the run)
+    ends the A/B there: what was measured is still compared. With ``budget_s``, no run starts that would likely end
+    past it (the runs so far give its likely length): what ran within the budget is compared.
+
+    Each run has a process group of its own and a time limit: ``run_timeout_s``, else ``run_timeout`` of the
+    first run's duration. A run past it is ended with its whole tree and left out with the reason; the A/B goes
+    on."""
     config = RunConfig(out_dir="", warmup=settings.warmup, steps=settings.steps, system_interval_s=SAMPLE_INTERVAL_S)
     runs: list[list[RunFigures]] = [[] for _ in variants]
     total, stopped = settings.repeats * len(variants), None
     started = time.monotonic()
+    first_run_s = None
     try:
         for order in range(1, total + 1):
             index = (order - 1) % len(variants)
             variant = variants[index]
             elapsed = time.monotonic() - started
+            if launch.stop_requested():
+                stopped = f"the A/B was stopped after {order - 1} of {total} runs; compared what ran."
+                break
             if budget_s is not None and order > 1 and elapsed * order / (order - 1) > budget_s:
                 stopped = (
                     f"the budget of {budget_s:g} s ran out after {order - 1} of {total} runs ({elapsed:.0f} s); "
@@ -144,12 +163,18 @@ def run_ab(
                 )
                 break
             log(f"stepscope ab: run {order}/{total}: {variant.name}")
-            code, summary = launch.run(variant.target, replace(config, apply=variant.apply), env=variant.env)
+            limit = run_timeout_s if run_timeout_s is not None else run_timeout(first_run_s)
+            run_started = time.monotonic()
+            code, summary = launch.run(
+                variant.target, replace(config, apply=variant.apply), env=variant.env, own_group=True, timeout_s=limit
+            )
+            first_run_s = first_run_s or time.monotonic() - run_started
             figures = run_figures(summary, code, order)
             runs[index].append(figures)
             if figures.failure:
                 log(f"stepscope ab: run {order} ({variant.name}) is left out: {figures.failure}")
-            if figures.exit_reason in _STOPPED_REASONS or code in _STOPPED_CODES:
+            signalled = code in _STOPPED_CODES and figures.exit_reason != "timeout"
+            if launch.stop_requested() or figures.exit_reason in _STOPPED_REASONS or signalled:
                 stopped = f"the A/B was stopped during run {order} of {total} (exit code {code}); compared what ran."
                 break
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ rank: a rank that died leaves no file, and the merged summary says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,6 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from stepscope.doctor.verdict import classify
 from stepscope.instrument import LaunchError
@@ -75,30 +78,109 @@ def _child_env(config: RunConfig, extra: dict[str, str] | None = None) -> dict[s
     return env
 
 
-def _wait(process: subprocess.Popen[bytes] | RecordedProcess) -> int:
-    """Wait for the command, and live to report. A SIGTERM sent to stepscope is passed on to the command. At a
-    terminal, Ctrl-C reaches the command directly (same process group), so stepscope ignores its own copy;
-    without a terminal (a job manager signalling stepscope's pid), SIGINT is passed on too. When stepscope was
-    started with SIGINT ignored (a background job of a script, nohup), the command inherited that: neither reacts
-    to SIGINT, as the command alone would not.
+@dataclass
+class Stop:
+    """The signal (SIGINT, SIGTERM) that asked this stepscope process to stop, during or after a run."""
 
-    Once the command has ended, stepscope ignores SIGTERM and SIGINT for the rest of its life: all that is left is
-    to merge and report what the command wrote, and the exit code is the command's anyway. A signal to the whole
-    process group (``timeout``, schedulers, CI cancellation) often comes again; it must not cost the report."""
+    signum: int | None = None
+
+
+STOP = Stop()
+GRACE_S = 5.0  # after SIGTERM, how long a run's process tree has to end before SIGKILL
+
+
+def stop_requested() -> int | None:
+    """The signal (SIGINT, SIGTERM) that asked stepscope to stop, if one came: a command that runs the script
+    several times (ab, doctor --verify) starts no run after it and reports what it measured."""
+    return STOP.signum
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """A process and all its descendants, those in sessions of their own too (torchrun starts its ranks so)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _signal_tree(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
+        try:
+            process.send_signal(signum)
+        except psutil.Error:
+            continue  # already gone
+
+
+def end_tree(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> None:
+    """End a run's whole process tree: SIGTERM to every process in it (a launcher passes it on to its ranks and
+    cleans up), then SIGKILL to whatever is left after ``grace_s``. The run's own process is reaped by
+    ``process.wait`` so that its exit code is kept."""
+    tree = _tree(process.pid)
+    _signal_tree(tree, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    left = {p.pid: p for p in [*tree, *_tree(process.pid)] if p.is_running()}
+    _signal_tree(list(left.values()), signal.SIGKILL)
+    process.wait()
+
+
+def _wait(
+    process: subprocess.Popen[bytes] | RecordedProcess, own_group: bool = False, timeout_s: float | None = None
+) -> tuple[int, bool]:
+    """Wait for the command, and live to report; returns its exit code and whether it passed ``timeout_s`` (then
+    its whole tree was ended, ``end_tree``).
+
+    A SIGTERM sent to stepscope is passed on to the command. At a terminal, Ctrl-C reaches the command directly
+    (same process group), so stepscope ignores its own copy; without a terminal (a job manager signalling
+    stepscope's pid), SIGINT is passed on too. When stepscope was started with SIGINT ignored (a background job of
+    a script, nohup), the command inherited that: neither reacts to SIGINT, as the command alone would not.
+
+    With ``own_group`` (one run of several: ab, doctor --verify) the command runs in a process group of its own,
+    so a terminal's Ctrl-C reaches stepscope only: SIGINT and SIGTERM are passed to the run's whole group, a
+    second one kills its whole tree, and ``stop_requested`` says a stop was asked for.
+
+    Once the command has ended, a SIGTERM or SIGINT only records that a stop was asked for: all that is left of
+    this run is to merge and report what the command wrote, and a signal to the whole process group (``timeout``,
+    schedulers, CI cancellation) often comes again; it must not cost the report. A handler, not SIG_IGN, so that
+    the next command started (ab's next run) does not inherit an ignored signal."""
 
     def forward(signum: int, frame: object) -> None:
-        process.send_signal(signum)
+        again = STOP.signum is not None
+        STOP.signum = STOP.signum or signum
+        if not own_group:
+            process.send_signal(signum)
+        elif again and isinstance(process, subprocess.Popen):
+            _signal_tree(_tree(process.pid), signal.SIGKILL)  # the second Ctrl-C: no more waiting
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)
+
+    def record(signum: int, frame: object) -> None:
+        STOP.signum = STOP.signum or signum
 
     interactive = sys.stdin is not None and sys.stdin.isatty()
     inherited_ignore = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # Python installs no handler then
-    signal.signal(signal.SIGINT, signal.SIG_IGN if interactive or inherited_ignore else forward)
-    signal.signal(signal.SIGTERM, forward)
-    try:
-        code = process.wait()
-    finally:
+    if inherited_ignore:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if interactive and not own_group else forward)
+    signal.signal(signal.SIGTERM, forward)
+    timed_out = False
+    try:
+        if timeout_s is None or not isinstance(process, subprocess.Popen):
+            code = process.wait()
+        else:
+            try:
+                code = process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                end_tree(process)
+                code = process.wait()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if inherited_ignore else record)
+        signal.signal(signal.SIGTERM, record)
+    return (128 - code if code < 0 else code), timed_out  # killed by signal N: the shell's 128+N
 
 
 def _read_ranks(out_dir: Path, launch_id: str) -> tuple[list[RunSummary], list[str]]:
@@ -156,6 +238,8 @@ def run(
     env: dict[str, str] | None = None,
     out: Path | None = None,
     out_wait_s: float = 30.0,
+    own_group: bool = False,
+    timeout_s: float | None = None,
 ) -> tuple[int, RunSummary]:
     """Run the target instrumented; returns its exit code and the (merged) summary. With ``py_spy``, py-spy
     records a flame graph of the whole command there (see pyspy.py); it never changes the run. ``env`` adds to
@@ -163,7 +247,10 @@ def run(
 
     With ``out`` (a folder every node of the job can write, ``run --out``), each process writes its summary there
     and it is kept; once the command ends, the job's ranks from the other nodes are awaited up to ``out_wait_s``
-    seconds and merged with this node's."""
+    seconds and merged with this node's.
+
+    ``own_group`` runs the command in a session of its own (one run of several: see ``_wait``); past ``timeout_s``
+    seconds its whole tree is ended and the summary's exit reason is ``timeout``."""
     out_dir = out.resolve() if out is not None else Path(tempfile.mkdtemp(prefix="stepscope-run-"))
     launch_id = uuid.uuid4().hex
     config = dataclasses.replace(
@@ -175,12 +262,12 @@ def run(
         try:
             process: subprocess.Popen[bytes] | RecordedProcess
             if py_spy is None:
-                process = subprocess.Popen(target.argv, env=child_env)
+                process = subprocess.Popen(target.argv, env=child_env, start_new_session=own_group)
             else:
                 process = RecordedProcess(target.argv, child_env, py_spy)
         except OSError as error:
             raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
-        code = _wait(process)
+        code, timed_out = _wait(process, own_group, timeout_s)
         ran_s = time.monotonic() - started
         summaries, notes = _read_ranks(out_dir, launch_id)
         if isinstance(process, RecordedProcess):
@@ -219,6 +306,12 @@ def run(
         exit_info = dataclasses.replace(exit_info, reason="killed", error=error)
     elif exit_info.reason == "finished" and code != 0:
         exit_info = Exit(reason="error", error=exit_info.error or f"the command exited with code {code}")
+    if timed_out:
+        exit_info = Exit(
+            reason="timeout",
+            error=f"still running after the {timeout_s:g} s time limit of a run: it was ended with its whole "
+            "process tree",
+        )
     summary.exit = dataclasses.replace(exit_info, code=code)
     if summary.ranks:
         summary.verdict = classify(summary)

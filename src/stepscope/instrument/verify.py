@@ -142,10 +142,11 @@ def verify(
     settings: Settings,
     budget_s: float | None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    run_timeout_s: float | None = None,
 ) -> ABResult | None:
     """Run the baseline and each chosen fix interleaved and put each fix's ``measured`` figures into ``summary``'s
     fixes, re-ranked; the plan's skipped fixes and any flag go into its notes. Returns the A/B result (None when no
-    fix could be verified)."""
+    fix could be verified). Each run's time limit: ``run_ab``'s."""
     summary.notes += chosen.skipped
     if not chosen.chosen:
         summary.notes.append("--verify: none of the ranked fixes can be applied at runtime; nothing was measured.")
@@ -159,7 +160,7 @@ def verify(
         f"stepscope doctor --verify: {len(variants)} variants ({', '.join(v.name for v in variants)}) x "
         f"{settings.repeats} interleaved runs of {settings.steps} steps"
     )
-    result = run_ab(variants, settings, log=log, budget_s=budget_s)
+    result = run_ab(variants, settings, log=log, budget_s=budget_s, run_timeout_s=run_timeout_s)
     by_id = {c.candidate: c for c in result.comparisons}
     for fix, argument in chosen.chosen:
         comparison = by_id.get(fix.id)
