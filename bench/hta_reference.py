@@ -1,4 +1,4 @@
-"""Reference figures from Holistic Trace Analysis (HTA 0.5.0) for every real trace in shared/traces/hta.
+"""Reference figures from Holistic Trace Analysis (HTA 0.5.0) for every real trace in tests/data/traces/hta.
 
 stepscope's own Kineto trace analyser is checked against these numbers (agreement within 0.5 percentage points).
 HTA runs in a venv of its own (it needs neither torch nor stepscope), one child process per job
@@ -36,10 +36,7 @@ CHILD = Path(__file__).resolve().parent / "hta_child.py"
 
 
 def _default_traces() -> Path:
-    for cand in (REPO / "shared" / "traces" / "hta", REPO.parent / "shared" / "traces" / "hta"):
-        if cand.is_dir():
-            return cand
-    return Path("/work/shared/traces/hta")
+    return REPO / "tests" / "data" / "traces" / "hta"  # HTA's test traces, kept in the repository
 
 
 def ensure_venv(venv: Path) -> Path:

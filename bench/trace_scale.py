@@ -1,6 +1,6 @@
 """`stepscope trace` on a folder of many ranks: wall time, peak memory and read throughput at 8, 64 and 256 ranks.
 
-Each rank is a copy of one real trace (default: shared/traces/hta/nccl_parser_config, 9.8 MB of JSON, NCCL kernels)
+Each rank is a copy of one real trace (default: tests/data/traces/hta/nccl_parser_config, 9.8 MB of JSON, NCCL kernels)
 whose ``distributedInfo.rank`` is set to the rank, written as two gzip members: the rank's own header, then the
 source's events compressed once and shared by every copy (gzip readers read members one after the other). Folders
 go under --work (default /tmp/stepscope-trace-scale), reused when already there.

@@ -16,7 +16,7 @@ miss. For a single process the second is exact. Both tools run under the same ad
 (RLIMIT_AS, --mem-cap-gib) and time limit (--timeout-s); a run that exceeds either is reported as such, and a tool
 that failed on an input is not run on it again.
 
-Inputs: the larger real single-rank traces of shared/traces/hta, each alone in a folder (a symlink), and the
+Inputs: the larger real single-rank traces of tests/data/traces/hta, each alone in a folder (a symlink), and the
 2-rank folder trace_filter; then synthetic traces of about --synthetic-mb MB uncompressed, built by replicating
 --synthetic-source with bench/replicate_trace.py (written under --work, reused when already there). Figures
 (idle, compute, non-compute, overlap per rank) are compared and any difference over 0.5 pp printed.
@@ -260,11 +260,8 @@ def measure(tool: str, inp: Input, a: argparse.Namespace, hta_py: Path) -> Run:
 
 
 def traces_root() -> Path:
-    """shared/traces/hta next to the repo or inside it, else /work/shared/traces/hta."""
-    for cand in (REPO / "shared" / "traces" / "hta", REPO.parent / "shared" / "traces" / "hta"):
-        if cand.is_dir():
-            return cand
-    return Path("/work/shared/traces/hta")
+    """HTA's test traces in the repository (tests/data/traces/hta)."""
+    return REPO / "tests" / "data" / "traces" / "hta"  # HTA's test traces, kept in the repository
 
 
 def uncompressed_bytes(path: Path) -> int:

@@ -4,7 +4,7 @@ Three sources of truth:
 
 - synthetic traces built here event by event (`Kineto`, tests/kineto.py), whose answers are known exactly;
 - the real traces of Holistic Trace Analysis' test data, listed in tests/data/traces/hta.sha256 and kept in
-  tests/data/traces/hta (the six over 1 MB are looked for beside the repository: tests/data/traces/README.md);
+  tests/data/traces/hta (tests/data/traces/README.md);
 - the numbers HTA 0.5.0 computed on those traces, in tests/data/hta_reference.json.
 A missing trace or reference fails its test, naming the file; none is skipped.
 """
@@ -38,11 +38,8 @@ from stepscope.cli import main
 from stepscope.summary import RunSummary
 
 DATA = Path(__file__).resolve().parent / "data"
-REPO = DATA.parent.parent
 TRACES = DATA / "traces"
-HTA = TRACES / "hta"  # HTA's test traces under 1 MB, in the repository (tests/data/traces/README.md)
-# Where the larger ones may be, relative to the repository: inside it, or beside it (/work/shared on the dev VMs).
-HTA_ELSEWHERE = (REPO / "shared" / "traces" / "hta", REPO.parent / "shared" / "traces" / "hta")
+HTA = TRACES / "hta"  # HTA's test traces, in the repository (tests/data/traces/README.md)
 MANIFEST = TRACES / "hta.sha256"
 REFERENCE = DATA / "hta_reference.json"
 NOT_KINETO = {
@@ -60,14 +57,11 @@ LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
 
 
 def hta_file(relative: str) -> Path:
-    """HTA's test trace (or folder) at ``relative`` inside its tests/data: the repository's copy, else one beside
-    the repository. Fails the test, naming where it looked, when there is none."""
-    for root in (HTA, *HTA_ELSEWHERE):
-        if (root / relative).exists():
-            return root / relative
-    looked = ", ".join(str(root) for root in (HTA, *HTA_ELSEWHERE))
-    pytest.fail(f"HTA's test trace {relative} is missing (looked in {looked}); tests/data/traces/README.md says how "
-                "to get it")  # fmt: skip
+    """HTA's test trace (or folder) at ``relative`` inside its tests/data, from the repository's copy. Fails the
+    test, naming it, when it is missing."""
+    if not (HTA / relative).exists():
+        pytest.fail(f"HTA's test trace {relative} is missing from {HTA} (tests/data/traces/README.md)")
+    return HTA / relative
 
 
 def manifest() -> dict[str, str]:
@@ -237,8 +231,8 @@ def test_stream_tolerates_zero_padding_after_gzip(tmp_path, small_chunks, paddin
 
 
 def test_every_real_trace_is_found_unchanged():
-    """Each file of the manifest is in the repository (or beside it, for the large ones) with its SHA-256: a
-    missing or altered trace fails here, by name."""
+    """Each file of the manifest is in the repository with its SHA-256: a missing or altered trace fails here, by
+    name."""
     found = manifest()
     assert len(found) == 32, f"{MANIFEST} lists {len(found)} files, not HTA's 32"
     for relative, digest in sorted(found.items()):
