@@ -102,6 +102,37 @@ def test_a_full_disk_after_the_run_loses_one_output_not_the_other_nor_the_exit_c
     assert f"report written to {html}" in done.stdout
 
 
+@pytest.mark.parametrize("verb", ["run", "doctor"])
+def test_a_stdout_closed_early_loses_neither_the_files_nor_the_exit_code(tmp_path, verb):
+    # `stepscope run --json X train.py | head -1`: the reader goes after one line. Before, the JSON was written after
+    # the report, rich's broken pipe ended stepscope with exit 1 and nothing on stderr, and X was never written.
+    out, html = tmp_path / "s.json", tmp_path / "r.html"
+    quiet = tmp_path / "quiet.py"  # trains 8 steps, prints nothing, exits 3
+    quiet.write_text(
+        "import sys, torch\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(8):\n"
+        "    model(torch.randn(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "sys.exit(3)\n"
+    )
+    args = ("--json", str(out), "--html", str(html), str(quiet))
+    cmd = stepscope_cmd(None, *args, warmup=1, steps=50, verb=verb)
+    head = subprocess.Popen(["head", "-1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), stdout=head.stdin, stderr=subprocess.PIPE, text=True,
+                          timeout=180)  # fmt: skip
+    head.stdin.close()
+    first = head.stdout.read().decode()
+    head.wait(timeout=30)
+    assert first.startswith("stepscope"), first  # head read the report's first line and left
+    assert done.returncode == 3, done.stderr  # the script's own code
+    assert "Traceback" not in done.stderr and "Broken pipe" not in done.stderr, done.stderr
+    assert RunSummary.from_json(out).steps.measured > 0
+    assert html.read_text(encoding="utf-8").startswith("<!")
+
+
 @pytest.mark.skipif(not HAS_DEV_FULL, reason="needs /dev/full")
 def test_trace_json_on_a_full_disk_is_one_sentence_and_the_report_stands(tmp_path, capsys):
     trace = Kineto(rank=0)

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,10 +173,25 @@ def _run(args: argparse.Namespace) -> int:
     code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy), out=out, out_wait_s=args.out_wait_s)
     _attach_trace(args, summary, started)
     check(summary)
-    sys.stdout.flush()
-    print_summary(summary)
-    _save_summary(args, summary)
+    _print_report(print_summary, summary, written=_save_summary(args, summary))
     return code
+
+
+def _print_report(print_report: Callable[..., Any], *what: Any, written: Sequence[str] = ()) -> None:
+    """Print a terminal report, then the ``written`` lines, after the files are written: a stdout closed early
+    (``| head -1``) costs nothing then, and is no error."""
+    try:
+        sys.stdout.flush()
+        print_report(*what)
+        for line in written:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would fail again flushing stdout at exit: point it at /dev/null (the recipe of Python's docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except SystemExit as leaving:  # rich's answer to a broken pipe: it has pointed stdout at /dev/null already
+        if not isinstance(leaving.__context__, BrokenPipeError):
+            raise
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -203,12 +218,11 @@ def _merge(args: argparse.Namespace) -> int:
     if found.lint is not None:  # doctor summaries: the job gets the doctor's verdict and fixes
         examine(summary, [LintHit(**hit) for hit in found.lint])
         check(summary)
-        print_doctor(summary)
+        _print_report(print_doctor, summary, written=_save_summary(args, summary))
     else:
         summary.verdict = classify(summary)
         check(summary)
-        print_summary(summary)
-    _save_summary(args, summary)
+        _print_report(print_summary, summary, written=_save_summary(args, summary))
     return 0
 
 
@@ -245,12 +259,15 @@ def _html_writer() -> Callable[[RunSummary, Path], Any]:
     return write_html
 
 
-def _save_summary(args: argparse.Namespace, summary: RunSummary) -> None:
-    """``--json`` and ``--html`` of a measuring verb, each on its own: one that fails does not stop the other."""
+def _save_summary(args: argparse.Namespace, summary: RunSummary) -> list[str]:
+    """``--json`` and ``--html`` of a measuring verb, each on its own: one that fails does not stop the other.
+    Returns the lines saying where they went, for ``_print_report``."""
+    written: list[str] = []
     if args.json:
-        _save("--json", args.json, "summary", summary.to_json)
+        _save("--json", args.json, "summary", summary.to_json, written)
     if args.html:
-        _save("--html", args.html, "report", lambda path: _html_writer()(summary, path))
+        _save("--html", args.html, "report", lambda path: _html_writer()(summary, path), written)
+    return written
 
 
 def _check_outputs(args: argparse.Namespace, **what: str) -> None:
@@ -276,17 +293,24 @@ def _check_outputs(args: argparse.Namespace, **what: str) -> None:
             raise UsageError(f"{fail}: no write permission.")
 
 
-def _save(option: str, path_text: str, what: str, write: Callable[[Path], Any]) -> bool:
+def _save(
+    option: str, path_text: str, what: str, write: Callable[[Path], Any], written: list[str] | None = None
+) -> bool:
     """Write one output after the work is done; returns whether it was written. A failure that the check before
     the run could not foresee (a full disk, /dev/full) is one sentence on stderr: the other outputs are still
-    written and the exit code stays the script's."""
+    written and the exit code stays the script's. The line saying where it went is printed, or added to
+    ``written`` for ``_print_report`` to print after the report."""
     try:
         write(Path(path_text))
     except OSError as error:
         reason = error.strerror or str(error)
         print(f"stepscope: {option} {path_text}: could not write the {what} ({reason}).", file=sys.stderr)
         return False
-    print(f"{what} written to {path_text}")
+    line = f"{what} written to {path_text}"
+    if written is None:
+        _print_report(print, line)
+    else:
+        written.append(line)
     return True
 
 
@@ -350,7 +374,7 @@ def _dump(args: argparse.Namespace) -> int:
     return 1 if report.verdict == "hung" else 0
 
 
-def _write_json(path_text: str, data: Any, what: str) -> bool:
+def _write_json(path_text: str, data: Any, what: str, written: list[str] | None = None) -> bool:
     """``--json``: ``data`` as indented JSON (see ``_save``); returns whether it was written."""
     import orjson
 
@@ -358,7 +382,7 @@ def _write_json(path_text: str, data: Any, what: str) -> bool:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
 
-    return _save("--json", path_text, what, write)
+    return _save("--json", path_text, what, write, written)
 
 
 def _params(args: argparse.Namespace) -> int:
@@ -381,10 +405,10 @@ def _params(args: argparse.Namespace) -> int:
     code, summary = run(target, config)
     ranks = summary.ranks or [summary]
     result = combine({r.meta.rank or 0: r.params for r in ranks})
-    sys.stdout.flush()
-    print_params(result, summary, include_zero_grad=args.include_zero_grad)
+    written: list[str] = []
     if args.json:
-        _write_json(args.json, result, "audit")
+        _write_json(args.json, result, "audit", written)
+    _print_report(lambda: print_params(result, summary, include_zero_grad=args.include_zero_grad), written=written)
     return code
 
 
@@ -413,9 +437,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.verify:
         _verify(args, target, summary)
     check(summary)
-    sys.stdout.flush()
-    print_doctor(summary)
-    _save_summary(args, summary)
+    _print_report(print_doctor, summary, written=_save_summary(args, summary))
     return _stopped_code(code) if args.verify else code
 
 
@@ -474,15 +496,15 @@ def _dataloader(args: argparse.Namespace) -> int:
     results = {r.meta.rank or 0: r.dataloader for r in ranks if r.dataloader}
     result = combine_ranks(results, train_rate)
     summary.dataloader = result
-    sys.stdout.flush()
+    written: list[str] = []
+    if args.json:
+        _write_json(args.json, result, "loader figures", written)
     if not results:
         print(f"stepscope: {NO_LOADER}", file=sys.stderr)
     elif "loader" not in result:
         failures = [f"rank {r['rank']}: {r['error']}" for r in result["ranks"] if "error" in r]
         print(f"stepscope: the loader could not be measured ({'; '.join(failures)}).", file=sys.stderr)
-    print_loader(result, summary)
-    if args.json:
-        _write_json(args.json, result, "loader figures")
+    _print_report(print_loader, result, summary, written=written)
     if not results:
         return code or 1
     return 0 if code == 0 and "loader" in result else code or 1
@@ -691,10 +713,10 @@ def _ab(args: argparse.Namespace) -> int:
     _check_outputs(args, json="A/B results")
     settings = Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup)
     result = run_ab(variants, settings, run_timeout_s=args.run_timeout_s)
-    sys.stdout.flush()
-    print_ab(result)
+    written: list[str] = []
     if args.json:
-        _write_json(args.json, result.to_dict(), "A/B results")
+        _write_json(args.json, result.to_dict(), "A/B results", written)
+    _print_report(print_ab, result, written=written)
     code, sentences = exit_status(result, args.fail_if_slower)
     for sentence in sentences:
         print(f"stepscope: {sentence}", file=sys.stderr)
