@@ -94,7 +94,7 @@ class Expectation:
     contention_ok: bool  # background load: the contention stated, with confidence lowered, also counts
     straggler: tuple[int, str] | None
     causes: dict[str, str]  # acceptable bound -> the kind of cause (a key of AIMED) its first fix should aim at
-    fix_loader: str | None  # the Dataset class a loader fix must name (the injected loader with the most own wait)
+    fix_loaders: list[str]  # Dataset classes a loader fix may name (see ``expect``); empty: any
     fix_lines: dict[str, int]  # "checkpoint"/"log" -> the script line a host fix must name
     fix_rank: int | None  # the rank a fix aimed at the straggler's cause must name
     straggler_group: str | None
@@ -299,7 +299,7 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         contention_ok=spec.bg_load > 0,
         straggler=straggler,
         causes=causes,
-        fix_loader=max(waits, key=lambda k: waits[k]) if waits else None,
+        fix_loaders=_fix_loaders(spec, waits),
         fix_lines={k: v for k, v in script_line.items() if v is not None},
         fix_rank=s.rank if s is not None else None,
         straggler_group=bound_ok[0] if s is not None else None,
@@ -307,6 +307,21 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         step_rate=min(o.step_rate for o in own),
         wall_rate=min(o.wall_rate for o in own),
     )
+
+
+def _fix_loaders(spec: CaseSpec, waits: dict[str, float]) -> list[str]:
+    """The loaders a loader fix may name: of those with an injected cost, the one the script waited on most; and,
+    when that one has workers, also the most waited-on one without workers. Beside busy loops a loader with workers
+    is waited on for each batch's hand-over, which the load stretches (a cheap one's wait can exceed a costlier
+    loader's without workers); workers for the loader that has none remove an injected cost."""
+    if not waits:
+        return []
+    workers = {ld.name: ld.workers for ld in spec.loaders}
+    names = [max(waits, key=lambda k: waits[k])]
+    without = {k: v for k, v in waits.items() if not workers.get(k) and v > 0}
+    if workers.get(names[0]) and without:
+        names.append(max(without, key=lambda k: without[k]))
+    return names
 
 
 def _label_phase(label: str) -> str:
@@ -399,8 +414,8 @@ def _names(fix: dict[str, Any], exp: Expectation, kind: str, rank_needed: bool, 
     """What an aimed fix's evidence fails to name: the loader, the script line, the straggler rank."""
     text = " ".join(fix.get("evidence") or [])
     missing = []
-    if fix["id"].startswith("loader.") and exp.fix_loader and exp.fix_loader not in text:
-        missing.append(f"loader {exp.fix_loader}")
+    if fix["id"].startswith("loader.") and exp.fix_loaders and not any(name in text for name in exp.fix_loaders):
+        missing.append(f"loader {' or '.join(exp.fix_loaders)}")
     line = exp.fix_lines.get(kind)
     if line is not None and fix["id"].startswith("host.") and f"{script}:{line}" not in text:
         missing.append(f"line {script}:{line}")

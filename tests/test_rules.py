@@ -1522,7 +1522,7 @@ def test_find_unused_needs_an_audit_that_saw_a_backward_pass():
 # -- ranking and failures ----------------------------------------------------------------------------------------
 
 
-def test_real_rules_rank_by_cost_then_gain_with_unbounded_last():
+def test_real_rules_rank_by_gain_for_the_cost_with_unbounded_last():
     summary = fp32_no_autocast(matmul_precision="highest", cuda_matmul_tf32=False)
     summary.facts["optimizers"] = [optimizer_fact(fused=None)]
     summary.facts["threads"] = threads_fact(cpu_quota=4.0)
@@ -1533,10 +1533,10 @@ def test_real_rules_rank_by_cost_then_gain_with_unbounded_last():
     fixes, notes = diagnose(Case(summary, hits))
     assert notes == []
     assert [(f.id, f.cost, f.gain_bound) for f in fixes] == [
+        ("loader.too_many_workers", "config", None),  # oversubscribed workers distort the other figures
         ("tf32", "config", COMPUTE),
+        ("precision.bf16", "code", COMPUTE),  # the compute share for a code change: a third of it, above 8%
         ("optimizer.fused", "config", 0.08),
-        ("loader.too_many_workers", "config", None),
-        ("precision.bf16", "code", COMPUTE),
         ("debug.gradcheck", "code", None),
     ]
 
@@ -1545,9 +1545,10 @@ def _fake(rule_id: str, cost: str, gain: float | None) -> Rule:
     return Rule(rule_id, rule_id, "why", "how", cost, False, lambda case: Finding([rule_id], gain, "reason"))
 
 
-def test_ranking_is_cost_first_then_larger_bound_then_unbounded(monkeypatch: pytest.MonkeyPatch):
+def test_ranking_is_gain_for_the_cost_then_unbounded(monkeypatch: pytest.MonkeyPatch):
     # a fix that can save under 5% of the step comes after every one that can save more, whatever its cost; the
-    # fix whose problem distorts every other figure (oversubscribed threads) is never moved down
+    # fix whose problem distorts every other figure (oversubscribed threads) is never moved down; the others by
+    # their bound over what their cost takes (config 1, code 3, infra 10), unbounded ones last, cheapest first
     fakes = [
         _fake("config.tiny", "config", 0.03),
         _fake("host.threads", "config", 0.01),
@@ -1567,18 +1568,18 @@ def test_ranking_is_cost_first_then_larger_bound_then_unbounded(monkeypatch: pyt
     assert notes == []
     assert ids(fixes) == [
         "host.threads",
-        "config.big",
-        "config.small",
+        "config.big",  # 0.5
+        "code.big",  # 0.7 / 3
+        "infra.big",  # 0.9 / 10
+        "config.small",  # 0.05
+        "code.small",  # 0.1 / 3
         "config.none",
-        "code.big",
-        "code.small",
         "code.none",
-        "infra.big",
         "config.tiny",
         "code.tiny",
     ]
-    material = [f for f in fixes if not f.id.endswith(".tiny")]
-    assert [COSTS.index(f.cost) for f in material] == sorted(COSTS.index(f.cost) for f in material)
+    unbounded = [f for f in fixes if f.gain_bound is None]
+    assert [COSTS.index(f.cost) for f in unbounded] == sorted(COSTS.index(f.cost) for f in unbounded)
 
 
 def test_gain_bounds_are_clamped_to_a_fraction_and_rounded(monkeypatch: pytest.MonkeyPatch):

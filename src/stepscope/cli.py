@@ -806,8 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage=DOCTOR_USAGE,
         description="Measures the script as `stepscope run` does, audits its parameters in the first warm-up steps, "
         "measures its DataLoader alone (--ceiling-batches), reads its settings and source, then names the "
-        "bottleneck with the figures that show it and ranks the fixes, cheapest first (those that can save under 5% of "
-        "the step last). Exit code: the script's own; "
+        "bottleneck with the figures that show it and ranks the fixes by the time each can save for its cost (those "
+        "that can save under 5% of the step last). Exit code: the script's own; "
         "2 for bad options.",
     )
     _measure_options(doctor, sample_hz=4.0, sample_hz_why="run samples at 1 Hz; 4 gives a short run its peak memory")

@@ -173,10 +173,10 @@ class Rule:
 
 
 CATALOGUE: list[Rule] = []
-# Fixes whose problem distorts the shares the other fixes' bounds rest on (intra-op threads fighting the loader
-# workers for the cores inflate every CPU phase and slow the loader): ranked first within their cost, whatever their
-# bound, since the other bounds mean little until it is gone.
-FIRST = {"host.threads"}
+# Fixes whose problem distorts the shares the other fixes' bounds rest on (intra-op threads, or more computing loader
+# workers than cores, fighting for the cores inflate every CPU phase and saturate the workers' CPUs): ranked first,
+# whatever their bound, since the other bounds mean little until it is gone.
+FIRST = {"host.threads", "loader.too_many_workers"}
 # A fix bounded below this share of the step ranks after every fix that can save more, whatever its cost: a config
 # knob that can save 3% is not the first thing to try beside a code change that can save 60%.
 MATERIAL_GAIN = 0.05
@@ -1298,9 +1298,9 @@ def _slow_start(summary: RunSummary) -> bool:
 
 
 def diagnose(case: Case) -> tuple[list[Fix], list[str]]:
-    """Every fix whose rule applies, ranked: fixes bounded below ``MATERIAL_GAIN`` of the step last; then cheapest
-    cost first; within a cost, fixes whose problem distorts the other measurements (``FIRST``, never demoted), then
-    the largest share of the wall window the bound can save (unbounded last; ``_rank_key``).
+    """Every fix whose rule applies, ranked: fixes bounded below ``MATERIAL_GAIN`` of the step last; fixes whose
+    problem distorts the other measurements (``FIRST``, never demoted) first; then the largest gain for the cost,
+    the share of the wall window the bound can save over what the cost takes (unbounded last; ``_rank_key``).
     Returns the fixes and a note for each rule that failed on unexpected facts (the others still run). For a
     multi-rank job whose ranks wait for one straggler, the fixes and their bounds are the job's (``job_fixes``)."""
     fixes, notes = findings(case)
@@ -1324,13 +1324,21 @@ def _steps_share(summary: RunSummary) -> float:
     return wall.steps_s / wall.window_s if wall is not None and wall.window_s > 0 else 1.0
 
 
-def _rank_key(fix: Fix, in_steps: float) -> tuple[bool, int, bool, bool, float]:
-    """Step-time and wall-time bounds ranked on one scale, the share of the wall window each can save: a step-time
-    bound saves its share of the steps' part of the window (``in_steps``)."""
+# What each cost takes, in units of a config change: the gain a fix is ranked by is its bound over this. A code
+# change is a few times the work of a flag (and a review); infrastructure (storage, a new machine) far more. So a
+# config knob that can save 6% ranks after a code change that can save 54%, and before one that can save 15%.
+COST_WEIGHT = {"config": 1.0, "code": 3.0, "infra": 10.0}
+
+
+def _rank_key(fix: Fix, in_steps: float) -> tuple[bool, bool, bool, float, int]:
+    """Gain for the cost, on one scale: the share of the wall window the bound can save (a step-time bound saves
+    its share of the steps' part of the window, ``in_steps``) over ``COST_WEIGHT``. Unbounded fixes come after
+    the bounded ones, cheapest first."""
     minor = fix.id not in FIRST and fix.gain_bound is not None and fix.gain_bound < MATERIAL_GAIN
     bound = fix.gain_bound or 0.0
     wall_gain = WALL_TRADE_STEP * bound if fix.gain_basis == "wall" else in_steps * bound
-    return minor, COSTS.index(fix.cost), fix.id not in FIRST, fix.gain_bound is None, -wall_gain
+    worth = wall_gain / COST_WEIGHT[fix.cost]
+    return minor, fix.id not in FIRST, fix.gain_bound is None, -worth, COSTS.index(fix.cost)
 
 
 def _saved_ms(fix: Fix, summary: RunSummary) -> float | None:
@@ -1419,9 +1427,9 @@ def catalogue_markdown() -> str:
         "# Fix catalogue",
         "",
         "Generated from `stepscope/doctor/rules.py` (`python -m stepscope.doctor.rules > docs/fixes.md`); do not edit",
-        "by hand. `stepscope doctor` ranks the fixes that apply by cost (`config` < `code` < `infra`), then by",
-        "`gain_bound`: an upper bound on the step-time saving from the measured shares (Amdahl) or a measured",
-        "ceiling. A rule whose facts were not measured stays silent.",
+        "by hand. `stepscope doctor` ranks the fixes that apply by gain for the cost: `gain_bound` (an upper bound",
+        "on the step-time saving from the measured shares, Amdahl, or a measured ceiling) over what the cost takes",
+        "(`config` 1, `code` 3, `infra` 10). A rule whose facts were not measured stays silent.",
         "",
         "| id | fix | cost | changes numerics |",
         "|---|---|---|---|",

@@ -523,12 +523,9 @@ def print_doctor(summary: RunSummary, file: IO[str] | None = None) -> None:
         console.print("\nno fix applies to what was measured.", markup=False)
         return
     if any(fix.measured for fix in summary.fixes):
-        heading = (
-            "fixes, measured gains first (--verify), then cheapest first, then by the step time they can save "
-            "(under 5% last):"
-        )
+        heading = "fixes, measured gains first (--verify), then by the time each can save for its cost (under 5% last):"
     else:
-        heading = "fixes, cheapest first, then by the most step time they can save (under 5% last):"
+        heading = "fixes, by the most time each can save for its cost (under 5% last):"
     console.print(f"\n{heading}", markup=False)
     console.print(fix_table(summary, ascii_only=_plain(console)))
     for rank, fix in enumerate(summary.fixes, 1):
