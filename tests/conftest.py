@@ -118,6 +118,20 @@ def no_stepscope_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STEPSCOPE", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def signal_dispositions() -> Iterator[None]:
+    """A test that runs stepscope's launcher in this process leaves SIGINT/SIGTERM ignored (what stepscope does
+    for its report, launch.ignore_stops): the next test's children would inherit that. Restore them, and the
+    launcher's record of a stop."""
+    from stepscope.instrument import launch
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    launch.STOP.signum = None
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()

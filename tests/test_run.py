@@ -748,3 +748,29 @@ def test_torchrun_two_ranks_with_a_straggler(tmp_path):
     assert straggler.phase == "data_wait", straggler
     assert straggler.excess_ms > 3, straggler
     assert re.search(r"^\s*bound:", r.stdout, re.MULTILINE), r.describe()
+
+
+def test_a_scripts_own_scope_is_named_in_a_note_with_its_phases(tmp_path):
+    # Under `stepscope run` a script's own Scope keeps timing in its own summary(); the run's figures come from
+    # torch's hooks. Before, its phase("myphase") and step(batch_size=8) vanished from the output with no word.
+    path = tmp_path / "own_scope.py"
+    path.write_text(
+        "import torch\n"
+        "from stepscope import Scope\n"
+        "scope = Scope(warmup=2)\n"
+        "model = torch.nn.Linear(8, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(12):\n"
+        "    with scope.phase('myphase'):\n"
+        "        loss = model(torch.randn(8, 8)).pow(2).mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "    scope.step(batch_size=8)\n"
+    )
+    r = stepscope_run(tmp_path, str(path), warmup=2, steps=5)
+    assert r.returncode == 0, r.describe()
+    (note,) = [n for n in r.summary.notes if "the script's own Scope" in n]
+    assert "'myphase'" in note and "stay in that Scope's summary()" in note, note
+    assert "myphase" not in r.summary.phases, "the run's figures are its own"
+    assert "the script's own Scope timed phase(s) 'myphase'" in r.stdout

@@ -446,6 +446,7 @@ class Scope:
         self._capture(profile, nvtx, nsys_window)
         if self._recorder.measuring:
             self._start_measuring()
+        _SCOPES.add(self)
 
     # -- the loop-facing API ------------------------------------------------------------------------------------
 
@@ -994,6 +995,27 @@ class _Closed:
 
     def snapshot(self) -> dict[str, float]:
         return {}
+
+
+# Every enabled Scope of this process, for `stepscope run` to say what a script's own Scope timed (``script_scopes``).
+_SCOPES: weakref.WeakSet[Scope] = weakref.WeakSet()
+
+
+def script_scopes(own: Scope) -> list[Scope]:
+    """The live Scopes of this process other than ``own`` (the one `stepscope run` drives): the script's own."""
+    return [scope for scope in list(_SCOPES) if scope is not own]
+
+
+def own_scope_note(scope: Scope) -> str:
+    """Why a script's own Scope's phases and batch sizes are not in `stepscope run`'s figures, naming them."""
+    names = [name for name in scope._phases if name != EVAL_PHASE]
+    timed = f"phase(s) {', '.join(repr(n) for n in names[:6])}" if names else "no phase"
+    return (
+        f"the script's own Scope timed {timed} over {scope._recorder.steps_seen} step(s) of its own: under "
+        "`stepscope run` they stay in that Scope's summary(), not in these figures, which time the step from "
+        "torch's hooks (the work inside those phases is here in forward, backward, optimizer or other). Run the "
+        "script without `stepscope run` to see them in its own summary."
+    )
 
 
 def enabled_scope(**kwargs: Any) -> Scope:

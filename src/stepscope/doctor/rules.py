@@ -176,7 +176,7 @@ CATALOGUE: list[Rule] = []
 # Fixes whose problem distorts the shares the other fixes' bounds rest on (intra-op threads, or more computing loader
 # workers than cores, fighting for the cores inflate every CPU phase and saturate the workers' CPUs): ranked first,
 # whatever their bound, since the other bounds mean little until it is gone.
-FIRST = {"host.threads", "loader.too_many_workers"}
+FIRST = ("host.threads", "loader.too_many_workers")  # in this order: beside both, fewer threads measured faster
 # A fix bounded below this share of the step ranks after every fix that can save more, whatever its cost: a config
 # knob that can save 3% is not the first thing to try beside a code change that can save 60%.
 MATERIAL_GAIN = 0.05
@@ -1330,7 +1330,7 @@ def _steps_share(summary: RunSummary) -> float:
 COST_WEIGHT = {"config": 1.0, "code": 3.0, "infra": 10.0}
 
 
-def _rank_key(fix: Fix, in_steps: float) -> tuple[bool, bool, bool, float, int]:
+def _rank_key(fix: Fix, in_steps: float) -> tuple[bool, int, bool, float, int]:
     """Gain for the cost, on one scale: the share of the wall window the bound can save (a step-time bound saves
     its share of the steps' part of the window, ``in_steps``) over ``COST_WEIGHT``. Unbounded fixes come after
     the bounded ones, cheapest first."""
@@ -1338,7 +1338,8 @@ def _rank_key(fix: Fix, in_steps: float) -> tuple[bool, bool, bool, float, int]:
     bound = fix.gain_bound or 0.0
     wall_gain = WALL_TRADE_STEP * bound if fix.gain_basis == "wall" else in_steps * bound
     worth = wall_gain / COST_WEIGHT[fix.cost]
-    return minor, fix.id not in FIRST, fix.gain_bound is None, -worth, COSTS.index(fix.cost)
+    first = FIRST.index(fix.id) if fix.id in FIRST else len(FIRST)
+    return minor, first, fix.gain_bound is None, -worth, COSTS.index(fix.cost)
 
 
 def _saved_ms(fix: Fix, summary: RunSummary) -> float | None:

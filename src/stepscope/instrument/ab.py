@@ -179,5 +179,7 @@ def run_ab(
                 break
     except KeyboardInterrupt:
         stopped = f"the A/B was interrupted after {sum(map(len, runs))} of {total} runs; compared what ran."
+    finally:
+        launch.ignore_stops()  # what is left is the report
     results = [variant_result(v.name, v.command, v.env, r) for v, r in zip(variants, runs, strict=True)]
     return ab_result(settings, results, stopped)

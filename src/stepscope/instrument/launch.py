@@ -125,6 +125,32 @@ def end_tree(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> None
     process.wait()
 
 
+# Whether this process was started with SIGINT ignored (nohup, a background job of a script): read once, at import,
+# before stepscope sets any disposition of its own.
+STARTED_IGNORING_SIGINT = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def _record(signum: int, frame: object) -> None:
+    STOP.signum = STOP.signum or signum
+
+
+def expect_stops() -> None:
+    """Before a run of several (ab, doctor --verify): SIGINT and SIGTERM only record a stop (``stop_requested``).
+    A Python handler, not SIG_IGN, so that the run about to start does not inherit an ignored signal: handlers are
+    reset to the default when a child execs, SIG_IGN is not."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN if STARTED_IGNORING_SIGINT else _record)
+    signal.signal(signal.SIGTERM, _record)
+
+
+def ignore_stops() -> None:
+    """After the last run: SIGINT and SIGTERM are ignored for the rest of stepscope's life, which is the report. A
+    signal to the whole process group (``timeout``, schedulers, CI cancellation) often comes again, and Python
+    resets its own handlers to the default while it exits: only SIG_IGN keeps such a signal from costing the
+    report or the exit code."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _wait(
     process: subprocess.Popen[bytes] | RecordedProcess, own_group: bool = False, timeout_s: float | None = None
 ) -> tuple[int, bool]:
@@ -134,16 +160,14 @@ def _wait(
     A SIGTERM sent to stepscope is passed on to the command. At a terminal, Ctrl-C reaches the command directly
     (same process group), so stepscope ignores its own copy; without a terminal (a job manager signalling
     stepscope's pid), SIGINT is passed on too. When stepscope was started with SIGINT ignored (a background job of
-    a script, nohup), the command inherited that: neither reacts to SIGINT, as the command alone would not.
+    a script, nohup), the command inherited that: neither reacts to SIGINT, as the command alone would not. Once
+    the command has ended, both are ignored (``ignore_stops``).
 
     With ``own_group`` (one run of several: ab, doctor --verify) the command runs in a process group of its own,
     so a terminal's Ctrl-C reaches stepscope only: SIGINT and SIGTERM are passed to the run's whole group, a
-    second one kills its whole tree, and ``stop_requested`` says a stop was asked for.
-
-    Once the command has ended, a SIGTERM or SIGINT only records that a stop was asked for: all that is left of
-    this run is to merge and report what the command wrote, and a signal to the whole process group (``timeout``,
-    schedulers, CI cancellation) often comes again; it must not cost the report. A handler, not SIG_IGN, so that
-    the next command started (ab's next run) does not inherit an ignored signal."""
+    second one kills its whole tree, and ``stop_requested`` says a stop was asked for. Once the run has ended they
+    only record a stop (``expect_stops``), for the caller to start no other run; it calls ``ignore_stops`` after
+    its last."""
 
     def forward(signum: int, frame: object) -> None:
         again = STOP.signum is not None
@@ -156,12 +180,8 @@ def _wait(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signum)
 
-    def record(signum: int, frame: object) -> None:
-        STOP.signum = STOP.signum or signum
-
     interactive = sys.stdin is not None and sys.stdin.isatty()
-    inherited_ignore = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # Python installs no handler then
-    if inherited_ignore:
+    if STARTED_IGNORING_SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGINT, signal.SIG_IGN if interactive and not own_group else forward)
@@ -178,8 +198,10 @@ def _wait(
                 end_tree(process)
                 code = process.wait()
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN if inherited_ignore else record)
-        signal.signal(signal.SIGTERM, record)
+        if own_group:
+            expect_stops()
+        else:
+            ignore_stops()
     return (128 - code if code < 0 else code), timed_out  # killed by signal N: the shell's 128+N
 
 
@@ -261,6 +283,8 @@ def run(
         started = time.monotonic()
         try:
             process: subprocess.Popen[bytes] | RecordedProcess
+            if own_group:
+                expect_stops()  # a previous run's SIG_IGN must not pass to this one
             if py_spy is None:
                 process = subprocess.Popen(target.argv, env=child_env, start_new_session=own_group)
             else:

@@ -29,7 +29,7 @@ from stepscope.doctor.verdict import classify
 from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
 from stepscope.record import EVAL_PHASE, NO_STEP_MARK
-from stepscope.scope import Scope
+from stepscope.scope import Scope, own_scope_note, script_scopes
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
 
 HOST_PHASES = frozenset({"data_wait"})
@@ -776,6 +776,7 @@ class Tracker:
             summary.notes.append(f"some runtime settings could not be read ({self.facts_failure})")
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
+        summary.notes += [own_scope_note(scope) for scope in script_scopes(self.scope)]
         if self.scope._recorder.steps_seen == 0 and job is None:
             seen = self.seen
             # Replaces the Scope's note, whose advice is about calling scope.step().
