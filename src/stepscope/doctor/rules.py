@@ -243,9 +243,9 @@ def _loader_workers(case: Case) -> Finding | None:
     if loader.num_workers > 0:
         return _more_workers(case, loader, data)
     cores, local = case.cores(), case.local_ranks()
-    waits = bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
+    waits = _fetch_waits(case)
     hint, workers = None, None
-    swept = (case.summary.dataloader.get("best") or {}).get("settings")
+    swept = _swept_settings(case) or None
     if swept is not None and swept["num_workers"] == 0 and case.summary.dataloader.get("sweep_skipped"):
         swept = None  # cut short by its budget before more workers were tried: no verdict on them
     if swept is not None:  # the sweep measured the worker counts on this machine: its best is the advice
@@ -284,6 +284,17 @@ def _loader_workers(case: Case) -> Finding | None:
     return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
 
 
+def _fetch_waits(case: Case) -> bool:
+    """Whether the fetch of a loader without workers mostly waits rather than computes: the host samples' io_bound
+    signal, or the loader ceiling's ``_fetch_busy_pct``."""
+    return bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
+
+
+def _swept_settings(case: Case) -> dict[str, Any]:
+    """The loader sweep's best settings ({} when no sweep ran)."""
+    return (case.summary.dataloader.get("best") or {}).get("settings") or {}
+
+
 def _workers_wait(case: Case) -> bool:
     """Whether the loader workers mostly wait (storage, a sleep) rather than compute: their CPU, with their wait for
     one, under ``WAITING_WORKERS_CPU`` of a core each, and the main thread never waited for cores they held."""
@@ -307,8 +318,7 @@ def _more_workers_help(case: Case, loader: LoaderInfo) -> bool:
     with workers, only when it was measured too slow for the step (``_cannot_keep_up``)."""
     cores, local = case.cores(), case.local_ranks()
     if loader.num_workers == 0:
-        waits = bool(case.signals().get("io_bound")) or _fetch_busy_pct(case) is not None
-        return waits or not cores or case.loader_workers() * local < cores
+        return _fetch_waits(case) or not cores or case.loader_workers() * local < cores
     if not _cannot_keep_up(case, loader):
         return False  # a wait beside workers may be each batch's hand-over (a busy machine stretches it)
     if _workers_wait(case):
@@ -322,9 +332,8 @@ def _cannot_keep_up(case: Case, loader: LoaderInfo) -> bool:
     found = case.summary.dataloader
     if found.get("index", 0) != loader.index:
         return False
-    swept = (found.get("best") or {}).get("settings") or {}
     return bool((found.get("against_training") or {}).get("input_bound")) or (
-        swept.get("num_workers", 0) > loader.num_workers
+        _swept_settings(case).get("num_workers", 0) > loader.num_workers
     )
 
 
@@ -334,7 +343,7 @@ def _more_workers(case: Case, loader: LoaderInfo, data: float) -> Finding:
     else up to the cores."""
     step, waits = case.ms(TOTAL), _workers_wait(case)
     rest = max(step - data * step, 0.5)
-    swept = (case.summary.dataloader.get("best") or {}).get("settings") or {}
+    swept = _swept_settings(case)
     if swept.get("num_workers", 0) > loader.num_workers:
         workers = swept["num_workers"]
         why = "the loader sweep's best"

@@ -112,17 +112,17 @@ def _signal_tree(processes: list[psutil.Process], signum: int) -> None:
             continue  # already gone
 
 
-def end_tree(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> None:
+def end_tree(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> int:
     """End a run's whole process tree: SIGTERM to every process in it (a launcher passes it on to its ranks and
-    cleans up), then SIGKILL to whatever is left after ``grace_s``. The run's own process is reaped by
-    ``process.wait`` so that its exit code is kept."""
+    cleans up), then SIGKILL to whatever is left after ``grace_s``. Returns the run's exit code (its own process
+    is reaped by ``process.wait``, so the code is kept)."""
     tree = _tree(process.pid)
     _signal_tree(tree, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
     left = {p.pid: p for p in [*tree, *_tree(process.pid)] if p.is_running()}
     _signal_tree(list(left.values()), signal.SIGKILL)
-    process.wait()
+    return process.wait()
 
 
 # Whether this process was started with SIGINT ignored (nohup, a background job of a script): read once, at import,
@@ -171,7 +171,7 @@ def _wait(
 
     def forward(signum: int, frame: object) -> None:
         again = STOP.signum is not None
-        STOP.signum = STOP.signum or signum
+        _record(signum, frame)
         if not own_group:
             process.send_signal(signum)
         elif again and isinstance(process, subprocess.Popen):
@@ -195,8 +195,7 @@ def _wait(
                 code = process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                end_tree(process)
-                code = process.wait()
+                code = end_tree(process)
     finally:
         if own_group:
             expect_stops()
