@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -667,12 +668,50 @@ def test_a_process_group_signal_keeps_the_summary(tmp_path, signum):
     assert json_path.exists(), f"no summary after {signals} group signals\n{stdout}\n{stderr}"
     s = RunSummary.from_json(json_path)
     reason = "terminated" if signum == signal.SIGTERM else "interrupted"
-    assert (s.exit.reason, s.exit.code) == (reason, 128 + signum), (s.exit, stderr)
+    assert (s.exit.reason, s.exit.code) == (reason, 128 + signum), f"{s.exit}\n{stderr}"
     assert s.steps.measured >= 3, s.steps
     check_consistent(s)
     assert "no process of the command reported a summary" not in stdout, stdout
     if signum == signal.SIGTERM:  # repeats of SIGTERM are ignored once the script is exiting: no traceback at all
         assert "Exception ignored" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_script_that_catches_ctrl_c_gets_the_next_one_as_python_gives_it(tmp_path):
+    # The child ignores a SIGINT that repeats the last one (no step between, within 2 s): a copy of the same request.
+    # A script that catches the interrupt and trains on must still get the next Ctrl-C.
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("catches_interrupt.py"), warmup=2, steps=100_000)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=run_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, preexec_fn=_default_sigint,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in proc.stdout], daemon=True).start()
+
+    def wait_for(prefix: str) -> str:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=1)
+                if line.startswith(prefix):
+                    return line
+        pytest.fail(f"no {prefix} line; exit code {proc.poll()}")
+
+    try:
+        pid = int(wait_for("READY").split()[1])
+        os.kill(pid, signal.SIGINT)
+        wait_for("CAUGHT")
+        wait_for("AGAIN")  # steps went on after the catch
+        os.kill(pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = proc.stderr.read()
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    s = RunSummary.from_json(json_path)
+    assert (s.exit.reason, s.exit.code) == ("interrupted", 130), f"{s.exit}\n{stderr}"
 
 
 def test_started_with_sigint_ignored_neither_stepscope_nor_the_script_reacts_to_it(tmp_path):

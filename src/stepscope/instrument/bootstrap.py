@@ -115,9 +115,12 @@ def _start(config: Any) -> None:
     _start_checkpoints(tracker)
     atexit.register(_write, tracker, True)
     _chain_excepthook(tracker)
-    # Only where nobody else handles SIGTERM, and only from the main thread (signal() refuses elsewhere).
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    # Only where nobody else handles them, and only from the main thread (signal() refuses elsewhere).
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
 
 
 def _start_checkpoints(tracker: Any) -> None:
@@ -135,13 +138,31 @@ def _start_checkpoints(tracker: Any) -> None:
         _warn("could not start the checkpoints", error, "the summary is written at exit only")
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    if _state.get("terminating"):
-        # A copy of the same request: a signal to the process group reaches this process and `stepscope run`,
-        # which passes its own on. The process is already on its way out; raising again would cut its exit
-        # handlers (the summary write among them) short.
+# A SIGINT this soon after the last, with no optimizer step between, is a copy of the same request.
+SIGINT_REPEAT_S = 2.0
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Python's KeyboardInterrupt, once per request. A group SIGINT reaches the script twice (directly, and the
+    copy `stepscope run` passes on when it has no terminal), and schedulers repeat theirs: a second
+    KeyboardInterrupt would land in the script's exit path (its finally blocks, the exit hook, the summary
+    write) and lose the figures. A script that catches the interrupt and trains on, or a Ctrl-C
+    SIGINT_REPEAT_S later, gets the next one as Python would give it."""
+    tracker = _state.get("tracker")
+    steps = tracker.seen["optimizer_steps"] if tracker is not None else 0
+    now = time.monotonic()
+    last = _state.get("interrupted")
+    if last is not None and last[0] == steps and now - last[1] < SIGINT_REPEAT_S:
         return
-    _state["terminating"] = True
+    _state["interrupted"] = (steps, now)
+    raise KeyboardInterrupt
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Later copies of the request are ignored: a signal to the process group reaches this process and
+    # `stepscope run`, which passes its own on. The process is on its way out; raising again would cut its exit
+    # handlers (the summary write among them) short.
+    _ignore_exit_signals()
     tracker = _state.get("tracker")
     if tracker is not None and tracker.outcome is None:
         tracker.outcome = Exit(reason="terminated", code=128 + signum, error="SIGTERM")
@@ -152,6 +173,11 @@ def _chain_excepthook(tracker: Any) -> None:
     previous = sys.excepthook
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            # Ctrl-C or a group SIGINT: the process exits after this hook. A repeated signal (the copy
+            # `stepscope run` passes on, a scheduler's repeat) would raise again inside this hook or an exit
+            # handler before the summary is written, so from here on both exit signals are ignored.
+            _ignore_exit_signals()
         if tracker.outcome is None:
             if issubclass(kind, KeyboardInterrupt):
                 tracker.outcome = Exit(reason="interrupted", code=130, error="KeyboardInterrupt", at=time.time())
