@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from run_helpers import RunResult, script, stepscope_run
 
+from stepscope.instrument.apply import parse_fixes
 from stepscope.summary import RunSummary
 
 
@@ -35,7 +36,8 @@ def test_slow_loader_is_data_bound_and_workers_come_first(tmp_path):
     # The samples sleep (a read): measured alone, the fetch kept the process idle, so the advice is the workers
     # that overlap the waits (at least 2, past the cores), not one per spare core; no long run needed to see it.
     assert "(the fetch mostly waits" in fix.how, fix.how
-    assert fix.apply is not None and int(fix.apply.removeprefix("loader.num_workers=")) >= 2, fix.apply
+    assert fix.apply is not None and fix.apply.endswith(",loader.persistent_workers"), fix.apply
+    assert int(fix.apply.split(",")[0].removeprefix("loader.num_workers=")) >= 2, fix.apply
     assert s.dataloader["loader"]["busy_pct"] < 50, s.dataloader["loader"]
     # num_workers comes from argparse, so only the runtime fact knows it is 0: the lint stays silent.
     assert not [hit for hit in s.facts["lint"] if hit["kind"] == "num_workers_zero"]
@@ -56,7 +58,8 @@ def test_doctor_sweep_ranks_the_loader_settings_by_the_runs_own_step(tmp_path):
     best = loader["best"]
     assert best["settings"]["num_workers"] >= 2 and best["gain"] > 1.0, loader  # sleeping workers overlap the waits
     fix = next(f for f in s.fixes if f.id == "loader.num_workers")
-    assert fix.apply == f"loader.num_workers={best['settings']['num_workers']}", (fix.apply, best)
+    assert fix.apply.startswith(f"loader.num_workers={best['settings']['num_workers']}"), (fix.apply, best)
+    assert parse_fixes([fix.apply]), fix.apply  # every setting of the sweep's best, in words --apply takes
     assert "(the loader sweep's best: " in fix.how and "samples/s of this run's step" in fix.how, fix.how
     # the run's own figures are its steps': the sweep's worker processes are not among them
     assert s.system["host"]["workers_max"] == 0, s.system["host"]

@@ -21,6 +21,7 @@ from stepscope.doctor import rules
 from stepscope.doctor.lint import LintHit
 from stepscope.doctor.rules import CATALOGUE, Case, Finding, Rule, diagnose
 from stepscope.doctor.verdict import refine
+from stepscope.instrument.apply import parse_fixes
 from stepscope.summary import (
     COSTS,
     Cluster,
@@ -1335,6 +1336,35 @@ def test_num_workers_follows_the_sweep_unless_it_was_cut_short():
     # cut short by its budget before more workers were tried: the advice falls back to the cores
     summary.dataloader["sweep_skipped"] = ["DataLoader(..., num_workers=2, ...): the 15 s budget ran out"]
     assert fired(Case(summary))["loader.num_workers"].apply == "loader.num_workers=1"
+
+
+def test_a_worker_fix_applies_every_setting_its_advice_names():
+    # A count alone restarts all the workers every epoch (on a 64-batch epoch of 8 sleeping workers that cost more
+    # than the epoch's steps): --verify must measure the advice, persistent workers included, and the sweep's
+    # prefetch and pinning where it measured them.
+    facts = {"threads": threads_fact(cores=2)}
+    plain = loader(num_workers=0, pin_memory=False, persistent_workers=False, prefetch_factor=None)
+    summary = make_summary(DATA_BOUND, loaders=[plain], facts=facts)
+    summary.dataloader = {"loader": {"settings": {"num_workers": 0, "prefetch_factor": None}, "busy_pct": 12.0}}
+    fix = fired(Case(summary))["loader.num_workers"]
+    assert fix.apply == "loader.num_workers=2,loader.persistent_workers"
+    assert parse_fixes([fix.apply]) == [
+        {"id": "loader.num_workers", "value": 2},
+        {"id": "loader.persistent_workers", "value": True},
+    ]
+    best = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
+    summary.dataloader = {"best": {"settings": best, "samples_per_s": 900.0, "gain": 2.0}}
+    fix = fired(Case(summary))["loader.num_workers"]
+    assert fix.apply == "loader.num_workers=8,loader.persistent_workers,loader.prefetch=4,loader.pin_memory"
+    # what the sweep's best did not change is not applied: there is nothing to measure in it
+    best = {"num_workers": 8, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": False}
+    summary.dataloader = {"best": {"settings": best, "samples_per_s": 900.0, "gain": 2.0}}
+    assert fired(Case(summary))["loader.num_workers"].apply == "loader.num_workers=8"
+    # more workers for a loader that has some but cannot keep up: persistent ones too
+    eight = {"threads": threads_fact(cores=8)}
+    summary = make_summary(DATA_BOUND, loaders=[loader(num_workers=2, persistent_workers=False)], facts=eight)
+    summary.dataloader = SLOW_ALONE
+    assert fired(Case(summary))["loader.num_workers"].apply.endswith(",loader.persistent_workers")
 
 
 def test_persistent_workers_share_counts_only_restarts():

@@ -640,7 +640,8 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
         action="append",
         metavar="FIX[=VALUE]",
         help="apply a fix of the catalogue to the unmodified script at runtime, e.g. loader.num_workers=2, "
-        "optimizer.foreach, debug.anomaly=off (repeatable; see docs/run.md); the summary records where it applied",
+        "optimizer.foreach, debug.anomaly=off (repeatable, or joined by commas as the doctor gives them: "
+        "loader.num_workers=8,loader.persistent_workers; see docs/run.md); the summary records where it applied",
     )
 
 

@@ -118,7 +118,9 @@ class Fix:
     gain_reason: str = ""
     changes_numerics: bool = False
     gain_basis: str = "step"  # what gain_bound is a share of: "step" time, or "wall" time (outside the steps)
-    apply: str | None = None  # `--apply` argument with the value the evidence recommends (loader.num_workers=2)
+    # `--apply` argument with every value the evidence recommends, settings joined by commas
+    # (loader.num_workers=2,loader.persistent_workers)
+    apply: str | None = None
     # `doctor --verify`: what the fix gained when applied, from interleaved runs: speedup, ci_low, ci_high, runs
     # ([baseline, with the fix]), verdict, applied (--apply argument), flag (why the doctor should learn from it)
     measured: dict[str, Any] | None = None

@@ -10,6 +10,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace, state: dict) -> None:
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    while True:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        time.sleep(args.sleep_ms / 1000)
+        state["step"] += 1
+        if state["step"] == args.ready_after:
+            print(f"READY {os.getpid()}", flush=True)
+        if state["caught_at"] is not None and state["step"] == state["caught_at"] + args.ready_after:
+            print("AGAIN", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sleep-ms", type=float, default=5.0)
@@ -19,24 +33,15 @@ def main() -> None:
     torch.set_num_threads(1)
     model = nn.Linear(16, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    step, caught_at = 0, None
+    state = {"step": 0, "caught_at": None}
     while True:
-        try:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            time.sleep(args.sleep_ms / 1000)
-            step += 1
+        try:  # the whole loop: a signal is handled wherever the script happens to be, its back-edge included
+            train(model, optimizer, args, state)
         except KeyboardInterrupt:
-            if caught_at is not None:
+            if state["caught_at"] is not None:
                 raise
-            caught_at = step
+            state["caught_at"] = state["step"]
             print("CAUGHT", flush=True)
-        if step == args.ready_after:
-            print(f"READY {os.getpid()}", flush=True)
-        if caught_at is not None and step == caught_at + args.ready_after:
-            print("AGAIN", flush=True)
 
 
 if __name__ == "__main__":

@@ -280,8 +280,26 @@ def _loader_workers(case: Case) -> Finding | None:
         f"data_wait{whose} is {pct(data)} of the step ({data * case.ms(TOTAL):.1f} ms of {case.ms(TOTAL):.1f} ms)",
         *_at(case.lines("num_workers_zero")),
     ]
-    apply = None if workers is None else f"loader.num_workers={workers}"
+    apply = None if workers is None else _workers_apply(loader, workers, swept)
     return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
+
+
+def _workers_apply(loader: LoaderInfo, workers: int, swept: dict[str, Any] | None) -> str:
+    """The ``--apply`` argument for a worker fix with every setting its advice names, so that --verify and --apply
+    measure the advice and not part of it: the count, persistent workers (a count alone starts them all again
+    every epoch, which can cost more than the epoch's steps), and the prefetch and pinning of the sweep's best
+    where it measured them."""
+    parts = [f"loader.num_workers={workers}"]
+    persistent = swept["persistent_workers"] if swept else True
+    if persistent and not loader.persistent_workers:
+        parts.append("loader.persistent_workers")
+    if swept:
+        prefetch = swept.get("prefetch_factor")
+        if prefetch is not None and prefetch != (loader.prefetch_factor or 2):
+            parts.append(f"loader.prefetch={prefetch}")
+        if swept.get("pin_memory") and not loader.pin_memory:
+            parts.append("loader.pin_memory")
+    return ",".join(parts)
 
 
 def _fetch_waits(case: Case) -> bool:
@@ -366,7 +384,7 @@ def _more_workers(case: Case, loader: LoaderInfo, data: float) -> Finding:
         )
     hint = f"DataLoader(..., num_workers={workers}, persistent_workers=True) ({why})"
     return Finding(
-        evidence, data, "at most the time spent waiting for data", how=hint, apply=f"loader.num_workers={workers}"
+        evidence, data, "at most the time spent waiting for data", how=hint, apply=_workers_apply(loader, workers, None)
     )
 
 

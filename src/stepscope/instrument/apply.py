@@ -94,10 +94,11 @@ class ApplyError(ValueError):
 
 
 def parse_fixes(texts: list[str]) -> list[dict[str, Any]]:
-    """``["loader.num_workers=2", "optimizer.foreach"]`` into ``[{"id", "value"}]`` (catalogue ids, values of the
-    fix's kind); raises ApplyError with the reason (and the appliable ids, for an unknown one)."""
+    """``["loader.num_workers=2,loader.persistent_workers", "optimizer.foreach"]`` into ``[{"id", "value"}]``
+    (catalogue ids, values of the fix's kind; a comma joins the settings of one fix, as the doctor's ``apply``
+    gives them); raises ApplyError with the reason (and the appliable ids, for an unknown one)."""
     fixes: list[dict[str, Any]] = []
-    for text in texts:
+    for text in (part for word in texts for part in word.split(",")):
         name, sep, raw = text.strip().partition("=")
         fix_id = ALIASES.get(name, name)
         fix = APPLIABLE.get(fix_id)
