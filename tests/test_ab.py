@@ -514,35 +514,26 @@ def _ab(tmp_path, *args: str, timeout: float = 120) -> tuple[subprocess.Complete
 
 # Sleep-bound variants: another test's processes beside them slow every run alike, and the statistics use each
 # run's steps, so these real A/Bs run in the parallel part.
-def test_real_ab_finds_a_halved_step_and_no_difference_between_identical_variants(tmp_path):
-    # 10 ms vs 20 ms of sleep per step; "same" is the baseline again. One A/B of 9 short runs checks both.
+def test_real_ab_finds_a_halved_step(tmp_path):
+    # 10 ms vs 20 ms of sleep per step, the variants set by environment (the A/A: the starved loader's test).
     done, data = _ab(
         tmp_path, "--repeats", "3", "--steps", "10", "--warmup", "2", "--fail-if-slower", "5",
         "--variant", f"slow=AB_SLEEP_MS=20 python {SLEEPER}",
         "--variant", f"fast=AB_SLEEP_MS=10 python {SLEEPER}",
-        "--variant", f"same=AB_SLEEP_MS=20 python {SLEEPER}",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    fast, same = data["comparisons"]
+    fast = data["comparison"]
     assert (fast["verdict"], fast["faster"]) == (FASTER, "fast"), fast
     # The step's own work is on top of the sleep. (The interval's width is not asserted: three runs per variant on a
     # loaded machine give 1.35-2.5 around a true 2; "faster" already says the whole interval is above 1.)
     assert fast["speedup"] == pytest.approx(2.0, rel=0.15)
-    # Identical variants: no material difference. Sleep-bound steps vary so little between runs that a change of
-    # machine load between runs can be detected as a real (small) difference, so a verdict other than "no
-    # detectable difference" is accepted only with the whole interval within 5% of 1. (The point estimate alone is
-    # not asserted: on a loaded machine three runs per variant can put it 6% off while the interval holds 1.)
-    if same["verdict"] == NO_DIFFERENCE:
-        assert same["faster"] is None and same["speedup_ci"][0] <= 1 <= same["speedup_ci"][1], same
-    else:
-        assert same["speedup_ci"][0] >= 0.95 and same["speedup_ci"][1] <= 1.05, same
     for variant in data["variants"]:
         assert variant["usable_runs"] == 3
         assert variant["per_rank_batch"] == 8 and variant["global_batch"] == 8
         assert variant["backend"] == "single process" and variant["peak_mem_source"] == "host rss"
         assert all(run["measured_steps"] == 10 and run["exit_code"] == 0 for run in variant["runs"])
     assert data["variants"][1]["env"] == {"AB_SLEEP_MS": "10"}
-    assert [r["order"] for r in data["variants"][2]["runs"]] == [3, 6, 9]
+    assert [r["order"] for r in data["variants"][1]["runs"]] == [2, 4, 6]  # interleaved
     assert data["warnings"] == []
     assert "fast vs slow:" in done.stdout and "fast is faster" in done.stdout
 
@@ -550,7 +541,7 @@ def test_real_ab_finds_a_halved_step_and_no_difference_between_identical_variant
 def test_real_starved_loader_gain_is_found_with_3_runs_and_an_a_a_reads_no_difference(tmp_path):
     # Every sample sleeps 5 ms: one process fetches a batch of 4 in 20 ms, two workers in about 10 (a true ~2x,
     # sleep-bound, so a loaded machine slows neither much; few long sleeps, as each wake-up waits for a core under
-    # load). "same" is the baseline again: an A/A.
+    # load). "same" is the baseline again: an A/A, which must read no difference. One A/B of 9 runs checks both.
     loader = SCRIPTS / "slow_loader.py"
     done, data = _ab(
         tmp_path, "--repeats", "3", "--steps", "20", "--warmup", "3",
