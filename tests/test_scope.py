@@ -626,3 +626,44 @@ def test_a_custom_phase_name_is_checked_once_not_per_call(clock, monkeypatch):
             clock.advance(1)
         scope.step()
     assert checked == ["my phase"]
+
+
+class TickingClock:
+    """A nanosecond clock that moves ``tick_ms`` on every read: each read stepscope makes costs time, as it does."""
+
+    def __init__(self, tick_ms: float) -> None:
+        self.ns = 1_000_000_000
+        self.tick_ns = round(tick_ms * 1e6)
+
+    def __call__(self) -> int:
+        now = self.ns
+        self.ns += self.tick_ns
+        return now
+
+    def advance(self, ms: float) -> None:
+        self.ns += round(ms * 1e6)
+
+
+def test_stepscopes_own_time_at_the_boundary_is_its_phase_not_the_scripts_other():
+    # Closing a step (records, statistics) happens after the step's end clock, so the next step holds it: without
+    # its own phase it read as the script's `other`. Every clock read here costs 0.25 ms; the one after closing
+    # the step measures the close itself.
+    clock = TickingClock(0.25)
+    scope = Scope(clock=clock, warmup=1, timing="host")
+    for _ in range(6):
+        with scope.phase("forward"):
+            clock.advance(5)
+        clock.advance(1)  # the script's own time between its phases
+        scope.step(batch_size=4)
+    s = scope.summary()
+    assert list(s.phases) == ["forward", "other", "stepscope", "total"]
+    assert s.phases["stepscope"].mean_ms == approx(0.25)
+    # its 1 ms, and the ticks after two reads that end a span: the forward's exit and the close's own measure
+    assert s.phases["other"].mean_ms == approx(1.5)
+    parts = sum(stats.mean_ms for name, stats in s.phases.items() if name != "total")
+    assert parts == approx(s.phases["total"].mean_ms)
+
+
+def test_the_stepscope_phase_name_is_reserved(clock):
+    with pytest.raises(ValueError, match="computed by stepscope"):
+        Scope(clock=clock, warmup=0, timing="host").phase("stepscope")

@@ -32,6 +32,9 @@ DATA_PHASE = "data_wait"
 EVAL_PHASE = "eval"  # validation between training steps: timed, but kept out of the training step's statistics
 NO_STEP_MARK = "no step was closed"
 OTHER_PHASE = "other"
+# stepscope's own time at each step boundary (closing the step, its records and counters), which the next step
+# holds: without it, that time read as the script's in ``other``
+OWN_PHASE = "stepscope"
 TOTAL = "total"
 
 
@@ -338,10 +341,12 @@ def _ms(seconds: float) -> float:
 
 
 def phase_order(names: list[str]) -> list[str]:
-    """Phase names in step order: canonical phases, then custom ones as first seen, then ``other``."""
+    """Phase names in step order: canonical phases, then custom ones as first seen, then ``other``, then
+    stepscope's own."""
     canonical = [p for p in PHASES if p in names and p != OTHER_PHASE]
-    custom = [p for p in names if p not in PHASES and p != TOTAL]
-    return [*canonical, *custom, *([OTHER_PHASE] if OTHER_PHASE in names else [])]
+    custom = [p for p in names if p not in PHASES and p not in (TOTAL, OWN_PHASE)]
+    last = [p for p in (OTHER_PHASE, OWN_PHASE) if p in names]
+    return [*canonical, *custom, *last]
 
 
 def summarize(recorder: Recorder, timing: str) -> RunSummary:

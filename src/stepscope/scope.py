@@ -31,7 +31,17 @@ from typing import Any, TypeVar
 from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
 from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
 from stepscope.invariants import between_note, check
-from stepscope.record import DATA_PHASE, EVAL_PHASE, OTHER_PHASE, TOTAL, EvalPasses, Recorder, StepRecord, summarize
+from stepscope.record import (
+    DATA_PHASE,
+    EVAL_PHASE,
+    OTHER_PHASE,
+    OWN_PHASE,
+    TOTAL,
+    EvalPasses,
+    Recorder,
+    StepRecord,
+    summarize,
+)
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
 from stepscope.summary import Meta, RunSummary, Wall
 
@@ -43,14 +53,14 @@ TIMINGS = ("auto", "host", "cuda")
 
 
 def check_phase_name(name: object) -> str:
-    """``name`` if it can name a phase: a non-blank string other than ``other`` and ``total`` (which stepscope
-    computes itself). Anything else raises at the call, naming the value, so a summary never holds a key that
-    its JSON cannot (a number, None, a tuple) or a row with no name."""
+    """``name`` if it can name a phase: a non-blank string other than ``other``, ``total`` and ``stepscope``
+    (which stepscope computes itself). Anything else raises at the call, naming the value, so a summary never
+    holds a key that its JSON cannot (a number, None, a tuple) or a row with no name."""
     if not isinstance(name, str):
         raise TypeError(f"Scope.phase() takes a string name, not {type(name).__name__} {reprlib.repr(name)}")
     if not name.strip():
         raise ValueError(f"Scope.phase() needs a non-blank name, not {name!r}")
-    if name in (OTHER_PHASE, TOTAL):
+    if name in (OTHER_PHASE, TOTAL, OWN_PHASE):
         raise ValueError(f"Scope.phase({name!r}): {name!r} is computed by stepscope; choose another name")
     return name
 
@@ -492,6 +502,16 @@ class Scope:
         if get_ident() != self._thread and not self._claim("step"):
             return
         self._record_step(t1, batch_size)
+        if self._step_start_ns == t1 and not self._depth:  # not where a trace export or a pass moved the start
+            self._add_own(self._clock() - t1)  # closing the step: the next step holds it as stepscope's time
+
+    def _add_own(self, ns: int) -> None:
+        """``ns`` of stepscope's own time outside every phase (its hooks' work): the current step's ``stepscope``
+        phase, no longer ``other``."""
+        if ns > 0:
+            current = self._current
+            current[OWN_PHASE] = current.get(OWN_PHASE, 0) + ns
+            self._claimed_ns += ns
 
     def _step_any_thread(self, batch_size: int | None = None) -> None:
         """``step`` without the thread rule, for a scope driven by stepscope's own hooks (`enabled_scope`)."""
