@@ -38,7 +38,7 @@ MEANING = {
 # One colour per canonical phase, the same in every chart; custom phases take the extra ones in turn.
 PHASE_COLORS = {
     "data_wait": "#f28e2b", "h2d": "#edc948", "forward": "#4e79a7", "backward": "#76b7b2", "clip": "#b07aa1",
-    "optimizer": "#59a14f", "zero_grad": "#9c755f", "sync": "#e15759", "other": "#bab0ac",
+    "optimizer": "#59a14f", "zero_grad": "#9c755f", "sync": "#e15759", "other": "#bab0ac", "stepscope": "#79706e",
 }  # fmt: skip
 EXTRA_COLORS = ("#ff9da7", "#86bcb6", "#d37295", "#a0cbe8", "#8cd17d", "#f1ce63")
 ABNORMAL_EXITS = ("error", "killed", "terminated", "interrupted")
