@@ -138,3 +138,16 @@ def test_srun_tasks_without_torchrun_are_ranks_of_one_job(tmp_path):
     assert [r.meta.node_rank for r in job.ranks] == [0, 1] and len(job.cluster.nodes) == 2, result.stdout
     assert job.cluster.straggler is not None and job.cluster.straggler.rank == 1, result.stdout
     assert job.verdict.bound == "data", (job.verdict, result.stdout)
+
+
+def test_a_shared_folder_that_cannot_be_read_back_keeps_this_nodes_ranks(tmp_path, capsys):
+    # Another node (or a cleanup job) emptied the shared --out folder before this node merged: the figures this
+    # node measured are still the summary, with a note, rather than a traceback after the training ran.
+    from stepscope.instrument.launch import _job_ranks
+
+    own = RunSummary()
+    own.meta.job_id, own.meta.rank, own.meta.world_size = "job-1", 0, 2
+    ranks, notes = _job_ranks(tmp_path, [own], wait_s=0)
+    assert ranks == [own]
+    assert len(notes) == 1 and notes[0].startswith("this node's ranks only: no stepscope summary could be read"), notes
+    assert "rank(s) 0, 1 of the job wrote no final summary" in capsys.readouterr().err

@@ -232,11 +232,11 @@ def _job_ranks(out_dir: Path, own: list[RunSummary], wait_s: float) -> tuple[lis
             f"within {wait_s:g} s; merging what is there (`stepscope merge {out_dir}` later merges them all).",
             file=sys.stderr,
         )
-    found = gather([out_dir])
-    ranks = [r for r in found.ranks if r.meta.job_id == job]
-    try:
+    try:  # the folder is shared: another node may have removed it, or left files this user cannot read
+        found = gather([out_dir])
+        ranks = [r for r in found.ranks if r.meta.job_id == job]
         check_one_job(Gathered(ranks, found.sources))
-    except MergeError as error:
+    except (MergeError, OSError) as error:
         return own, [f"this node's ranks only: {error}"]
     return ranks, found.notes
 
