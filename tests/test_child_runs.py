@@ -4,6 +4,7 @@ no process behind. Real processes throughout: stepscope as a subprocess, each ru
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import orjson
 import psutil
 import pytest
 from run_helpers import SCRIPTS, run_env
+
+from stepscope.summary import RunSummary
 
 STUBBORN = SCRIPTS / "stubborn.py"
 SIGINT_BIT, SIGTERM_BIT = 1 << (signal.SIGINT - 1), 1 << (signal.SIGTERM - 1)
@@ -127,6 +130,38 @@ def test_a_hanging_run_is_ended_with_its_tree_left_out_and_the_ab_goes_on(tmp_pa
     assert [r["exit_reason"] for r in hung] == ["timeout", "timeout"], hung
     assert all("3 s time limit" in r["failure"] for r in hung), hung
     assert "time limit" in err, err
+
+
+@pytest.mark.parametrize(("stopped", "code"), [("doctor", 143), ("script", 130)])
+def test_a_stop_during_the_doctors_own_run_starts_no_verify_run(tmp_path, stopped, code):
+    # SIGTERM to the doctor, or Ctrl-C at a terminal (which reaches the script alone, stepscope ignoring its own
+    # copy): the doctor reports the run it measured and starts none of --verify's.
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    cmd = [sys.executable, "-m", "stepscope.cli", "doctor", "--json", str(tmp_path / "s.json"), "--steps", "100000"]
+    cmd += ["--warmup", "1", "--ceiling-batches", "0", "--verify", "1", str(SCRIPTS / "verify_stubborn.py"), str(runs)]
+    doctor = subprocess.Popen(
+        cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_signals,
+    )  # fmt: skip
+    try:
+        _wait_for(runs / "run-1.pids", timeout_s=120)
+        time.sleep(1.0)  # steps measured
+        if stopped == "doctor":
+            doctor.send_signal(signal.SIGTERM)
+        else:
+            os.kill(_pids(runs)[0], signal.SIGINT)
+        _out, err = doctor.communicate(timeout=60)
+    finally:
+        if doctor.poll() is None:
+            doctor.kill()
+            doctor.wait()
+    assert doctor.returncode == code, (doctor.returncode, err)
+    assert not (runs / "run-2.pids").exists(), err
+    summary = RunSummary.from_json(tmp_path / "s.json")
+    assert "--verify: nothing was measured: the run was stopped before it." in summary.notes, summary.notes
+    # the script's Ctrl-C traceback ends at its own line, as without stepscope (whose handler raised it)
+    assert "_on_sigint" not in err, err
 
 
 def test_doctor_verify_stops_on_sigterm_during_its_runs(tmp_path):

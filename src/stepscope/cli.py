@@ -414,7 +414,7 @@ def _params(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from stepscope.doctor.checkup import examine, lint_script, script_path
-    from stepscope.instrument.launch import run
+    from stepscope.instrument.launch import ignore_stops, run, stop_requested
     from stepscope.invariants import check
     from stepscope.report.terminal import print_doctor
 
@@ -430,12 +430,18 @@ def _doctor(args: argparse.Namespace) -> int:
     )
     _check_outputs(args, json="summary", html="report")
     started = time.time()
-    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy))
+    # With --verify, a stop asked for during the run or the diagnosis is recorded, and no verify run starts.
+    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy), more_runs=bool(args.verify))
     summary.notes += notes
     _attach_trace(args, summary, started)
     examine(summary, lint)
     if args.verify:
-        _verify(args, target, summary)
+        stopped = summary.exit.reason in ("interrupted", "terminated") or stop_requested()
+        if stopped:  # at a terminal, Ctrl-C reaches the script alone: its exit says so
+            summary.notes.append("--verify: nothing was measured: the run was stopped before it.")
+        else:
+            _verify(args, target, summary)
+        ignore_stops()  # what is left is the report
     check(summary)
     _print_report(print_doctor, summary, written=_save_summary(args, summary))
     return _stopped_code(code) if args.verify else code

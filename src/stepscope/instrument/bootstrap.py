@@ -178,6 +178,7 @@ def _chain_excepthook(tracker: Any) -> None:
             # `stepscope run` passes on, a scheduler's repeat) would raise again inside this hook or an exit
             # handler before the summary is written, so from here on both exit signals are ignored.
             _ignore_exit_signals()
+            tb = _without_own_frames(tb)
         if tracker.outcome is None:
             if issubclass(kind, KeyboardInterrupt):
                 tracker.outcome = Exit(reason="interrupted", code=130, error="KeyboardInterrupt", at=time.time())
@@ -186,6 +187,22 @@ def _chain_excepthook(tracker: Any) -> None:
         previous(kind, value, tb)  # the script's traceback, printed as Python prints it
 
     sys.excepthook = excepthook
+
+
+def _without_own_frames(tb: Any) -> Any:
+    """The traceback without stepscope's SIGINT handler, where the KeyboardInterrupt was raised (Python's own
+    handler raises from C): the script's Ctrl-C traceback ends at the script's line, as it does without
+    stepscope."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    while entries and entries[-1].tb_frame.f_code is _on_sigint.__code__:
+        entries.pop()
+    if not entries:
+        return None
+    entries[-1].tb_next = None
+    return entries[0]
 
 
 def _sinks(specs: list[str]) -> list[Any]:

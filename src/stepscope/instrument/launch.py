@@ -152,7 +152,10 @@ def ignore_stops() -> None:
 
 
 def _wait(
-    process: subprocess.Popen[bytes] | RecordedProcess, own_group: bool = False, timeout_s: float | None = None
+    process: subprocess.Popen[bytes] | RecordedProcess,
+    own_group: bool = False,
+    timeout_s: float | None = None,
+    more_runs: bool = False,
 ) -> tuple[int, bool]:
     """Wait for the command, and live to report; returns its exit code and whether it passed ``timeout_s`` (then
     its whole tree was ended, ``end_tree``).
@@ -161,7 +164,8 @@ def _wait(
     (same process group), so stepscope ignores its own copy; without a terminal (a job manager signalling
     stepscope's pid), SIGINT is passed on too. When stepscope was started with SIGINT ignored (a background job of
     a script, nohup), the command inherited that: neither reacts to SIGINT, as the command alone would not. Once
-    the command has ended, both are ignored (``ignore_stops``).
+    the command has ended, both are ignored (``ignore_stops``), or, with ``more_runs`` (doctor's run before
+    --verify), only record a stop (``expect_stops``), so that no run starts after one.
 
     With ``own_group`` (one run of several: ab, doctor --verify) the command runs in a process group of its own,
     so a terminal's Ctrl-C reaches stepscope only: SIGINT and SIGTERM are passed to the run's whole group, a
@@ -197,7 +201,7 @@ def _wait(
                 timed_out = True
                 code = end_tree(process)
     finally:
-        if own_group:
+        if own_group or more_runs:
             expect_stops()
         else:
             ignore_stops()
@@ -261,6 +265,7 @@ def run(
     out_wait_s: float = 30.0,
     own_group: bool = False,
     timeout_s: float | None = None,
+    more_runs: bool = False,
 ) -> tuple[int, RunSummary]:
     """Run the target instrumented; returns its exit code and the (merged) summary. With ``py_spy``, py-spy
     records a flame graph of the whole command there (see pyspy.py); it never changes the run. ``env`` adds to
@@ -290,7 +295,7 @@ def run(
                 process = RecordedProcess(target.argv, child_env, py_spy)
         except OSError as error:
             raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
-        code, timed_out = _wait(process, own_group, timeout_s)
+        code, timed_out = _wait(process, own_group, timeout_s, more_runs)
         ran_s = time.monotonic() - started
         summaries, notes = _read_ranks(out_dir, launch_id)
         if isinstance(process, RecordedProcess):
