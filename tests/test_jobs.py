@@ -130,6 +130,19 @@ def test_summaries_of_different_jobs_are_refused_with_both_named(tmp_path):
         check_one_job(gather([tmp_path]))
 
 
+def test_merge_refusing_two_jobs_still_says_why_each_skipped_file_was_skipped(tmp_path, capsys):
+    from stepscope.cli import main
+
+    ranks = job()
+    on(ranks[3], "gpu01", node=1, job="slurm:8.0")
+    write(merge(ranks[:2]), tmp_path / "node0.json")
+    write(merge(ranks[2:], expected_world=4), tmp_path / "node1.json")
+    (tmp_path / "node2.json").write_text('{"steps": ')  # truncated
+    assert main(["merge", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "node2.json was skipped" in err and "2 different jobs" in err, err
+
+
 def test_different_world_sizes_and_one_rank_twice_are_refused(tmp_path):
     a, b = job(world=2), job(world=4)
     for r in a + b:

@@ -206,13 +206,16 @@ def _merge(args: argparse.Namespace) -> int:
     _check_outputs(args, json="summary", html="report")
     try:
         found = gather(args.paths)
-        world = check_one_job(found)
     except MergeError as error:
         for note in error.notes:  # why each file was skipped, before the sentence that counts them
             print(f"stepscope: {note}", file=sys.stderr)
         raise UsageError(str(error)) from None
-    for note in found.notes:
+    for note in found.notes:  # also when what was read is refused below: a skipped file may be the job's missing part
         print(f"stepscope: {note}", file=sys.stderr)
+    try:
+        world = check_one_job(found)
+    except MergeError as error:
+        raise UsageError(str(error)) from None
     summary = merge(found.ranks, expected_world=world)
     summary.notes += found.notes
     if found.lint is not None:  # doctor summaries: the job gets the doctor's verdict and fixes
