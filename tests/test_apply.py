@@ -19,6 +19,7 @@ import pytest
 import torch
 from run_helpers import run_env, stepscope_run, torchrun
 
+from stepscope.analyses.loader import MAX_WORKERS
 from stepscope.instrument.apply import APPLIABLE, ApplyError, Injector, parse_fixes, worker_limit
 from stepscope.instrument.hooks import patcher
 
@@ -116,21 +117,22 @@ def test_worker_count_bound_is_four_per_usable_core_and_stated(monkeypatch: pyte
     import stepscope.collectors.host as host
 
     monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
-    monkeypatch.setattr(host, "usable_cores", lambda: 5)
-    assert parse_fixes(["loader.num_workers=20"]) == [{"id": "loader.num_workers", "value": 20}]
+    monkeypatch.setattr(host, "usable_cores", lambda: 10)
+    assert parse_fixes(["loader.num_workers=40"]) == [{"id": "loader.num_workers", "value": 40}]
     with pytest.raises(ApplyError) as error:
-        parse_fixes(["loader.num_workers=21"])
+        parse_fixes(["loader.num_workers=41"])
     assert str(error.value) == (
-        "--apply loader.num_workers=21: loader.num_workers takes a whole number in digits 0-9, from 0 to 20 "
-        "(4 per usable core, at least 16; 5 core(s) here); 21 is out of range."
+        "--apply loader.num_workers=41: loader.num_workers takes a whole number in digits 0-9, from 0 to 40 "
+        "(4 per usable core, at least 32; 10 core(s) here); 41 is out of range."
     )
-    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 4.5)  # a cgroup quota of 4.5 cores: 5 cores' worth
-    assert worker_limit()[0] == 20
-    # A small machine still takes the workers the doctor advises for a loader that waits (up to 8; they use no core).
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 9.5)  # a cgroup quota of 9.5 cores: 10 cores' worth
+    assert worker_limit()[0] == 40
+    # A small machine still takes as many workers as the loader sweep may measure best for a loader that waits
+    # (they use no core): its best must be one --verify can apply.
     monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
     monkeypatch.setattr(host, "usable_cores", lambda: 1)
-    assert worker_limit() == (16, "4 per usable core, at least 16; 1 core(s) here")
-    assert parse_fixes(["loader.num_workers=8"]) == [{"id": "loader.num_workers", "value": 8}]
+    assert worker_limit() == (MAX_WORKERS, "4 per usable core, at least 32; 1 core(s) here")
+    assert parse_fixes([f"loader.num_workers={MAX_WORKERS}"]) == [{"id": "loader.num_workers", "value": MAX_WORKERS}]
 
 
 def test_worker_count_bound_follows_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:

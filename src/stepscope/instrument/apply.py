@@ -120,15 +120,17 @@ def parse_fixes(texts: list[str]) -> list[dict[str, Any]]:
 
 
 WORKERS_PER_CORE = 4  # loader workers per usable core at most: past that they only contend for the cores
-WORKERS_ANYWHERE = 16  # ... but this many on any machine: workers that wait on storage use no core (and the doctor
-# advises up to WAITING_WORKERS_MAX of them whatever the cores)
+# ... but as many on any machine as the loader sweep may measure (analyses/loader.py's MAX_WORKERS): workers that
+# wait on storage use no core, and the sweep's best must be one --verify can apply (a 32-worker best on 2 cores
+# was left unverified against a bound of 16)
+WORKERS_ANYWHERE = 32
 FILES_PER_WORKER = 8  # open files the training process holds per loader worker (torch's queues take ~4), with room
 FILES_KEPT = 64  # open files left to the script itself
 
 
 def worker_limit() -> tuple[int, str]:
     """The most loader workers ``--apply loader.num_workers`` may ask of one DataLoader on this machine, and why
-    in words: 4 per usable core (cgroup quota, else CPU affinity), at least 16, and no more than the open-file limit
+    in words: 4 per usable core (cgroup quota, else CPU affinity), at least 32, and no more than the open-file limit
     allows (each worker holds files in the training process: past the limit, worker start-up fails with "Too many
     open files")."""
     import math
