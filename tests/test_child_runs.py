@@ -132,18 +132,24 @@ def test_a_hanging_run_is_ended_with_its_tree_left_out_and_the_ab_goes_on(tmp_pa
     assert "time limit" in err, err
 
 
-@pytest.mark.parametrize(("stopped", "code"), [("doctor", 143), ("script", 130)])
-def test_a_stop_during_the_doctors_own_run_starts_no_verify_run(tmp_path, stopped, code):
-    # SIGTERM to the doctor, or Ctrl-C at a terminal (which reaches the script alone, stepscope ignoring its own
-    # copy): the doctor reports the run it measured and starts none of --verify's.
+def _doctor_verify(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], Path]:
+    """``stepscope doctor --verify 1`` of verify_stubborn.py, whose runs record themselves in the returned folder."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    cmd = [sys.executable, "-m", "stepscope.cli", "doctor", "--json", str(tmp_path / "s.json"), "--steps", "100000"]
+    cmd = [sys.executable, "-m", "stepscope.cli", "doctor", "--json", str(tmp_path / "s.json"), "--steps", str(steps)]
     cmd += ["--warmup", "1", "--ceiling-batches", "0", "--verify", "1", str(SCRIPTS / "verify_stubborn.py"), str(runs)]
     doctor = subprocess.Popen(
         cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=_default_signals,
     )  # fmt: skip
+    return doctor, runs
+
+
+@pytest.mark.parametrize(("stopped", "code"), [("doctor", 143), ("script", 130)])
+def test_a_stop_during_the_doctors_own_run_starts_no_verify_run(tmp_path, stopped, code):
+    # SIGTERM to the doctor, or Ctrl-C at a terminal (which reaches the script alone, stepscope ignoring its own
+    # copy): the doctor reports the run it measured and starts none of --verify's.
+    doctor, runs = _doctor_verify(tmp_path, steps=100_000)
     try:
         _wait_for(runs / "run-1.pids", timeout_s=120)
         time.sleep(1.0)  # steps measured
@@ -167,14 +173,7 @@ def test_a_stop_during_the_doctors_own_run_starts_no_verify_run(tmp_path, stoppe
 def test_doctor_verify_stops_on_sigterm_during_its_runs(tmp_path):
     # The doctor's own run, then --verify's interleaved runs of the baseline and a fix: a SIGTERM during the
     # second of those ends the command within 10 s, with no process left.
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    cmd = [sys.executable, "-m", "stepscope.cli", "doctor", "--json", str(tmp_path / "s.json"), "--steps", "5"]
-    cmd += ["--warmup", "1", "--ceiling-batches", "0", "--verify", "1", str(SCRIPTS / "verify_stubborn.py"), str(runs)]
-    doctor = subprocess.Popen(
-        cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_default_signals,
-    )  # fmt: skip
+    doctor, runs = _doctor_verify(tmp_path, steps=5)
     _wait_for(runs / "run-3.pids", timeout_s=120)  # the doctor's run, then verify's runs 1 and 2
     started = time.monotonic()
     doctor.send_signal(signal.SIGTERM)
