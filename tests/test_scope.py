@@ -5,6 +5,7 @@ import logging
 import time
 
 import pytest
+from conftest import FakeClock
 
 from stepscope import Scope
 from stepscope.scope import NO_COLLECTORS
@@ -628,20 +629,17 @@ def test_a_custom_phase_name_is_checked_once_not_per_call(clock, monkeypatch):
     assert checked == ["my phase"]
 
 
-class TickingClock:
-    """A nanosecond clock that moves ``tick_ms`` on every read: each read stepscope makes costs time, as it does."""
+class TickingClock(FakeClock):
+    """The fake clock, moving ``tick_ms`` after every read as well: each read stepscope makes costs time, as it does."""
 
     def __init__(self, tick_ms: float) -> None:
-        self.ns = 1_000_000_000
+        super().__init__()
         self.tick_ns = round(tick_ms * 1e6)
 
     def __call__(self) -> int:
-        now = self.ns
+        now = super().__call__()
         self.ns += self.tick_ns
         return now
-
-    def advance(self, ms: float) -> None:
-        self.ns += round(ms * 1e6)
 
 
 def test_stepscopes_own_time_at_the_boundary_is_its_phase_not_the_scripts_other():

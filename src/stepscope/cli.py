@@ -417,7 +417,7 @@ def _params(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from stepscope.doctor.checkup import examine, lint_script, script_path
-    from stepscope.instrument.launch import ignore_stops, run, stop_requested
+    from stepscope.instrument.launch import STOPPED_REASONS, ignore_stops, run, stop_requested
     from stepscope.invariants import check
     from stepscope.report.terminal import print_doctor
 
@@ -439,7 +439,7 @@ def _doctor(args: argparse.Namespace) -> int:
     _attach_trace(args, summary, started)
     examine(summary, lint)
     if args.verify:
-        stopped = summary.exit.reason in ("interrupted", "terminated") or stop_requested()
+        stopped = summary.exit.reason in STOPPED_REASONS or stop_requested()
         if stopped:  # at a terminal, Ctrl-C reaches the script alone: its exit says so
             summary.notes.append("--verify: nothing was measured: the run was stopped before it.")
         else:

@@ -32,8 +32,9 @@ DATA_PHASE = "data_wait"
 EVAL_PHASE = "eval"  # validation between training steps: timed, but kept out of the training step's statistics
 NO_STEP_MARK = "no step was closed"
 OTHER_PHASE = "other"
-# stepscope's own time at each step boundary (closing the step, its records and counters), which the next step
-# holds: without it, that time read as the script's in ``other``
+# stepscope's own time outside every phase: its hooks' work before a phase begins and after one ends, and closing
+# the step (its records and counters), which the next step holds. Without it, that time read as the script's in
+# ``other``
 OWN_PHASE = "stepscope"
 TOTAL = "total"
 

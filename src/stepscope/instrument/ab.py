@@ -28,7 +28,6 @@ _ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _PYTHON = re.compile(r"python[0-9.]*")  # a bare interpreter name: python, python3, python3.11
 # A run that a person or a job manager stopped (its summary says so, or the shell's 128+SIGINT, 128+SIGTERM ended
 # a process that wrote none): the A/B stops there.
-_STOPPED_REASONS = ("interrupted", "terminated")
 _STOPPED_CODES = (130, 143)
 # Host and GPU sampling period, s: 4 Hz, like `stepscope doctor`, so that a short run still has samples for its
 # peak memory.
@@ -174,7 +173,7 @@ def run_ab(
             if figures.failure:
                 log(f"stepscope ab: run {order} ({variant.name}) is left out: {figures.failure}")
             signalled = code in _STOPPED_CODES and figures.exit_reason != "timeout"
-            if launch.stop_requested() or figures.exit_reason in _STOPPED_REASONS or signalled:
+            if launch.stop_requested() or figures.exit_reason in launch.STOPPED_REASONS or signalled:
                 stopped = f"the A/B was stopped during run {order} of {total} (exit code {code}); compared what ran."
                 break
     except KeyboardInterrupt:

@@ -86,6 +86,7 @@ class Stop:
 
 
 STOP = Stop()
+STOPPED_REASONS = ("interrupted", "terminated")  # a run's exit.reason when a signal stopped it
 GRACE_S = 5.0  # after SIGTERM, how long a run's process tree has to end before SIGKILL
 
 

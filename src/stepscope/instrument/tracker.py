@@ -28,7 +28,7 @@ from stepscope.doctor import facts
 from stepscope.doctor.verdict import classify
 from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
-from stepscope.record import EVAL_PHASE, NO_STEP_MARK, OWN_PHASE
+from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope, own_scope_note, script_scopes
 from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
 
@@ -504,9 +504,7 @@ class Tracker:
         samples = self._step_samples or self.config.batch_size
         profiled = scope._recorder.profiled
         if self._own_since is not None:  # the ending step's share of this event
-            now = self._clock()
-            scope._add_own(now - self._own_since)
-            self._own_since = now
+            scope._add_own(self._clock() - self._own_since)
         scope.step(batch_size=samples or None)
         if self._own_since is not None:
             self._own_since = scope._step_start_ns  # the rest is the next step's (from wherever it starts)
@@ -537,12 +535,10 @@ class Tracker:
         write()
         now = self._clock()
         self._last_checkpoint_ns = now
-        scope = self.scope
-        if scope._step_start_ns is not None:
-            scope._step_start_ns = now
-            scope._claimed_ns -= scope._current.pop(OWN_PHASE, 0)  # the next step begins after the write
+        if self.scope._step_start_ns is not None:
+            self.scope._step_start_ns = now
             if self._own_since is not None:
-                self._own_since = now
+                self._own_since = now  # the next step begins after the write
 
     def _stop_at_next_event(self) -> None:
         """The requested steps are measured: end the script with StopRun at the next step's first event (a fetch,
