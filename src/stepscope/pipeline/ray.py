@@ -4,7 +4,9 @@
 subclass whose ``generate`` is timed inside the actor (the engine's own time, without Ray's queueing or transfer);
 each actor buffers its timings and pushes them to the collector every ``flush_s`` seconds in one fire-and-forget
 call, so no engine call waits on a round trip. The reporter's thread drains the collector every ``poll_s`` seconds
-into ``monitor.record_infer`` with each call's age, so late reports land in the right part of the window. A pool
+into ``monitor.record_infer`` with each call's age, so late reports land in the right part of the window. A
+report's time in transit (seconds when Ray's processes are short of CPU) is read from the wall clocks at both ends,
+which are one clock on one machine and agree within milliseconds across synchronised machines. A pool
 that is a Ray queue (or anything with ``qsize()``) is read on the same beat as ``monitor.pool_level``.
 
 Ray is an optional extra (``pip install 'stepscope[ray]'``). stepscope's failures here never stop the pipeline: a
@@ -28,6 +30,15 @@ log = logging.getLogger("stepscope")
 
 Record = tuple[float, float, bool, float]  # (engine s, samples, ok, end time on the sender's monotonic clock)
 
+# A report longer in transit than this is taken for a wall clock set apart from the sender's, and counted as instant.
+TRANSIT_MAX_S = 60.0
+
+
+def _transit_s(sent_wall: float) -> float:
+    """Seconds since ``sent_wall`` (the sender's ``time.time()``), or 0 when the clocks disagree past belief."""
+    transit_s = time.time() - sent_wall
+    return transit_s if 0.0 <= transit_s <= TRANSIT_MAX_S else 0.0
+
 
 def _ray() -> Any:
     try:
@@ -43,17 +54,18 @@ class _Collector:
     def __init__(self) -> None:
         self._records: list[Record] = []
 
-    def report(self, records: list[Record], sent_at: float) -> None:
-        now = time.monotonic()
-        # Ages measured on the sender's clock, moved onto this one (transit time, milliseconds, is not counted).
-        self._records += [(seconds, samples, ok, now - (sent_at - end)) for seconds, samples, ok, end in records]
+    def report(self, records: list[Record], sent_at: float, sent_wall: float) -> None:
+        # Ages measured on the sender's monotonic clock, moved onto this one, plus the time the report took to come.
+        arrived = time.monotonic() - _transit_s(sent_wall)
+        self._records += [(seconds, samples, ok, arrived - (sent_at - end)) for seconds, samples, ok, end in records]
 
-    def drain(self) -> list[Record]:
-        """Records since the last drain, with the age (s) of each call's end instead of its time."""
+    def drain(self) -> tuple[list[Record], float]:
+        """Records since the last drain, with the age (s) of each call's end instead of its time, and the wall
+        time (``time.time()``) the ages were taken at."""
         now = time.monotonic()
         out = [(seconds, samples, ok, now - end) for seconds, samples, ok, end in self._records]
         self._records = []
-        return out
+        return out, time.time()
 
 
 class _Outbox:
@@ -86,7 +98,7 @@ class _Outbox:
         try:
             if self._collector is None:
                 self._collector = _ray().get_actor(self._collector_name, namespace=self._namespace)
-            self._collector.report.remote(records, time.monotonic())
+            self._collector.report.remote(records, time.monotonic(), time.time())
         except Exception as error:  # the engine must go on: only the timings are lost
             self._failed = True
             log.warning("stepscope: engine timings cannot reach the pipeline monitor (%s); they are dropped.", error)
@@ -195,10 +207,11 @@ class RayReporter:
             return
         ray = _ray()
         try:
-            records = ray.get(self._collector.drain.remote(), timeout=30)
+            records, drained_wall = ray.get(self._collector.drain.remote(), timeout=30)
+            transit_s = _transit_s(drained_wall)
             monitor = self.monitor
             for seconds, samples, ok, age_s in records:
-                monitor.record_infer(seconds, samples, ok, ended_ago_s=age_s)
+                monitor.record_infer(seconds, samples, ok, ended_ago_s=age_s + transit_s)
                 if ok and self.engines_fill_pool:
                     monitor.pool_put(samples)
             if self.pool is not None:
