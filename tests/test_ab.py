@@ -553,7 +553,9 @@ def test_real_starved_loader_gain_is_found_with_3_runs_and_an_a_a_reads_no_diffe
     assert done.returncode == 0, done.stderr
     workers, same = data["comparisons"]
     assert (workers["verdict"], workers["faster"]) == (FASTER, "w2"), workers
-    assert workers["speedup_ci"][0] > 1.3, workers
+    # The interval excludes 1 (the verdict); with 3 runs a side its width follows the noisiest run, so the size of
+    # the gain is read from the point estimate (a true ~2x).
+    assert workers["speedup"] > 1.5, workers
     for variant in data["variants"]:
         assert all(len(run["step_s"]) == 20 and run["step_stride"] == 1 for run in variant["runs"]), variant
     # At 95% an A/A reads "faster" or "slower" in 1 of 20 A/Bs by design; a method that is wrong does far more
