@@ -8,21 +8,20 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: demo doctor-demo test lint bench docs clean chromium
 
 # The demos need the package alone; the tests need every extra (the trackers, Lightning, transformers, Ray, ...).
-# pip compiles each package's bytecode on one core; compileall on every core once the packages are in is ~40 s
-# faster on 2 cores (and the bytecode must be written: the environment may set PYTHONDONTWRITEBYTECODE). Like pip,
-# it goes on past the files of other Python versions that some packages ship (its exit code says 1 for them).
-COMPILE = $(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+# Bytecode is written as modules are first imported, not by pip: of the 22,700 files installed, the suite imports a
+# few thousand, and compiling all of them (pip on one core, or compileall on every core) cost 30-45 s of set-up. The
+# environment may set PYTHONDONTWRITEBYTECODE; the recipes here drop it, or each of the suite's hundreds of
+# processes would compile torch's modules again (1.3 s each).
+unexport PYTHONDONTWRITEBYTECODE
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile $(TORCH_SPEC)
 	$(PY) -m pip install -q --no-compile -e .
-	$(COMPILE)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q --no-compile -e '.[dev]'
-	$(COMPILE)
 	touch $@
 
 demo: $(VENV)/.base
@@ -32,10 +31,7 @@ doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
 # Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves.
-# The suite starts hundreds of stepscope processes: each would compile stepscope's modules again without bytecode (0.12 s;
-# the editable install leaves src/ uncompiled, and PYTHONDONTWRITEBYTECODE may forbid writing it as they run).
 test: $(VENV)/.installed lint chromium
-	$(PY) -m compileall -q -j 0 src >/dev/null
 	$(PY) -m pytest -q -n 2 -m "not serial" --durations=15
 	$(PY) -m pytest -q -m serial --durations=5
 
