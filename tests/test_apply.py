@@ -248,6 +248,20 @@ def test_guarded_flag_ignores_the_script_setting_it_back(injected: Any) -> None:
     assert result["ignored"] and result["ignored"][0].startswith("cudnn.benchmark=False at test_apply.py:")
 
 
+def test_host_threads_sets_the_intra_op_threads_and_guards_them(injected: Any) -> None:
+    threads = torch.get_num_threads()
+    try:
+        injector = injected(["host.threads=1"])
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)  # the script's own count, later: ignored, recorded
+        assert torch.get_num_threads() == 1
+        (result,) = injector.results()
+        assert result["applied"] is True and result["where"] == "1 intra-op thread(s) from torch's import on"
+        assert result["ignored"][0].startswith("set_num_threads(3) at test_apply.py:"), result
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- end to end: `stepscope run --apply` on an unmodified script ---------------------------------------------------
 
 

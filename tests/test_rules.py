@@ -1429,6 +1429,7 @@ def test_a_multi_node_run_is_judged_per_machine():
     ]
     assert fixes["host.threads"].evidence == ["9 torch threads × 8 rank(s) for a 64 usable cores"]
     assert fixes["host.threads"].how == "torch.set_num_threads(8) (or OMP_NUM_THREADS)"
+    assert fixes["host.threads"].apply == "host.threads=8"  # what --verify and tune measure
 
 
 def test_graph_breaks_are_listed_most_frequent_first():

@@ -997,7 +997,7 @@ def _threads(case: Case) -> Finding | None:
         evidence.append(contention)
     how = f"torch.set_num_threads({fit}) (or OMP_NUM_THREADS)"
     why = "oversubscription costs depend on the scheduler; ranked first: every CPU phase's share is inflated by it"
-    return Finding(evidence, None, why, how=how)
+    return Finding(evidence, None, why, how=how, apply=f"host.threads={fit}")
 
 
 # -- host time by source line (RunSummary.hotspots, from the stack sampler) ---------------------------------------

@@ -58,6 +58,9 @@ FIXES = (
     Appliable("ddp.find_unused_parameters", "bool", False, "DistributedDataParallel(find_unused_parameters=...)"),
     Appliable("ddp.static_graph", "bool", True, "DistributedDataParallel(static_graph=...)"),
     Appliable("precision.bf16", "bool", True, "torch.autocast(bfloat16) around each model's outermost call"),
+    Appliable(
+        "host.threads", "count", None, "torch.set_num_threads(N) (intra-op threads), at import", minimum=1, maximum=256
+    ),
 )
 APPLIABLE: dict[str, Appliable] = {fix.id: fix for fix in FIXES}
 # The names issue 20 (and habit) use for the same fixes.
@@ -211,7 +214,7 @@ class Injector:
             (("zero_grad.set_to_none",), self._install_zero_grad),
             (tuple(DDP_KWARGS), self._install_ddp),
             (("precision.bf16",), self._install_autocast),
-            (("tf32", "cudnn.benchmark", "debug.anomaly", "debug.deterministic"), self._install_flags),
+            (("tf32", "cudnn.benchmark", "debug.anomaly", "debug.deterministic", "host.threads"), self._install_flags),
         ):
             wanted = {i: self.fixes[i] for i in ids if i in self.fixes}
             if not wanted:
@@ -571,6 +574,11 @@ class Injector:
                 "debug.deterministic", cudnn_props["deterministic"], "setter", on, lambda v: f"cudnn.deterministic={v}"
             )
             self._where["debug.deterministic"].append(f"deterministic algorithms {describe(on)} from torch's import on")
+        if "host.threads" in wanted:
+            threads = wanted["host.threads"]
+            torch.set_num_threads(threads)
+            guard("host.threads", torch, "set_num_threads", threads, lambda v: f"set_num_threads({v})")
+            self._where["host.threads"].append(f"{threads} intra-op thread(s) from torch's import on")
 
 
 def _materialize(params: Any) -> Any:
