@@ -31,6 +31,10 @@ class FakeEngine:
         self.weight = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(0))
         self.generator = torch.Generator().manual_seed(seed)
 
+    def ready(self) -> bool:
+        """Answers once the engine is up (as an Actor, once Ray has started its process)."""
+        return True
+
     def generate(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(self.seconds)
         inputs = torch.randn(n, DIM, generator=self.generator)
@@ -70,6 +74,7 @@ def ray_slots(args, mon):
         reporter.timed(FakeEngine, "generate", samples=lambda out: len(out[0]))
     )
     engines = [Engine.remote(args.engine_s, seed) for seed in range(args.engines)]
+    ray.get([engine.ready.remote() for engine in engines])  # each actor's process started: the training clock starts
 
     def slot_call(engine):
         return lambda n: ray.get(engine.generate.remote(n))  # the timing is taken inside the actor
