@@ -132,12 +132,14 @@ def test_a_hanging_run_is_ended_with_its_tree_left_out_and_the_ab_goes_on(tmp_pa
     assert "time limit" in err, err
 
 
-def _doctor_verify(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], Path]:
-    """``stepscope doctor --verify 1`` of verify_stubborn.py, whose runs record themselves in the returned folder."""
+def _doctor_verify(tmp_path: Path, steps: int, verb: str = "doctor") -> tuple[subprocess.Popen[str], Path]:
+    """``stepscope doctor --verify 1`` (or ``tune``) of verify_stubborn.py, whose runs record themselves in the
+    returned folder."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    cmd = [sys.executable, "-m", "stepscope.cli", "doctor", "--json", str(tmp_path / "s.json"), "--steps", str(steps)]
-    cmd += ["--warmup", "1", "--ceiling-batches", "0", "--verify", "1", str(SCRIPTS / "verify_stubborn.py"), str(runs)]
+    cmd = [sys.executable, "-m", "stepscope.cli", verb, "--json", str(tmp_path / "s.json"), "--steps", str(steps)]
+    cmd += ["--warmup", "1", "--ceiling-batches", "0", "--verify", "1"] if verb == "doctor" else []
+    cmd += [str(SCRIPTS / "verify_stubborn.py"), str(runs)]
     doctor = subprocess.Popen(
         cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=_default_signals,
@@ -170,10 +172,11 @@ def test_a_stop_during_the_doctors_own_run_starts_no_verify_run(tmp_path, stoppe
     assert "_on_sigint" not in err, err
 
 
-def test_doctor_verify_stops_on_sigterm_during_its_runs(tmp_path):
-    # The doctor's own run, then --verify's interleaved runs of the baseline and a fix: a SIGTERM during the
-    # second of those ends the command within 10 s, with no process left.
-    doctor, runs = _doctor_verify(tmp_path, steps=5)
+@pytest.mark.parametrize("verb", ["doctor", "tune"])
+def test_doctor_verify_and_tune_stop_on_sigterm_during_their_runs(tmp_path, verb):
+    # The doctor's own run, then --verify's (or tune's) interleaved runs of the baseline and a setting: a SIGTERM
+    # during the second of those ends the command within 10 s, with no process left.
+    doctor, runs = _doctor_verify(tmp_path, steps=5, verb=verb)
     _wait_for(runs / "run-3.pids", timeout_s=120)  # the doctor's run, then verify's runs 1 and 2
     started = time.monotonic()
     doctor.send_signal(signal.SIGTERM)

@@ -132,9 +132,9 @@ def test_the_budget_stops_runs_that_would_end_past_it(tmp_path):
 
 
 def test_a_worker_fix_is_measured_after_its_prefetched_batches_are_drained():
-    from stepscope.instrument.verify import _queue_steps
+    from stepscope.instrument.verify import queue_steps
 
     chosen = plan([fix("loader.num_workers", apply="loader.num_workers=8"), fix("debug.anomaly")], 2, False)
     applied = parse_fixes([arg for _, arg in chosen.chosen])
-    assert _queue_steps(applied) == 18  # 8 workers x 2 batches ahead, and 2 more
-    assert _queue_steps(parse_fixes(["debug.anomaly=off"])) == 0
+    assert queue_steps(applied) == 18  # 8 workers x 2 batches ahead, and 2 more
+    assert queue_steps(parse_fixes(["debug.anomaly=off"])) == 0

@@ -29,6 +29,10 @@ def _show(args: argparse.Namespace) -> int:
 RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 PARAMS_USAGE = "stepscope params [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 DOCTOR_USAGE = "stepscope doctor [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
+TUNE_USAGE = (
+    "stepscope tune [--budget-s S] [--allow-numerics] [--json PATH] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | "
+    "-- COMMAND [ARGS...]"
+)
 LOADER_USAGE = "stepscope dataloader [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 # Options of the verbs that run a script and take a value: the script's own arguments start after them.
 _VALUED = {
@@ -58,10 +62,11 @@ _VALUED = {
     "--verify-budget-s",
     "--run-timeout-s",
     "--sweep-budget-s",
+    "--repeats",
 }
 # Options whose value may be left out: the next word is theirs only when it is a number (``--verify 2 train.py``).
 _OPTIONAL_VALUE = {"--verify"}
-_SCRIPT_VERBS = ("run", "params", "doctor", "dataloader")
+_SCRIPT_VERBS = ("run", "params", "doctor", "dataloader", "tune")
 
 
 def _split_run(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -458,6 +463,70 @@ def _verify(args: argparse.Namespace, target: Any, summary: RunSummary) -> None:
     chosen = plan(summary.fixes, args.verify, args.allow_numerics)
     settings = Settings(repeats=args.verify_repeats, steps=args.steps, warmup=args.warmup)
     verify(target, summary, chosen, settings, args.verify_budget_s, run_timeout_s=args.run_timeout_s)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    """``stepscope tune``: the doctor's diagnosis, then a measured search of the settings (see tune.py)."""
+    import dataclasses
+
+    from stepscope.analyses.ab import Settings
+    from stepscope.doctor.checkup import examine, lint_script, script_path
+    from stepscope.instrument.apply import parse_fixes
+    from stepscope.instrument.launch import STOPPED_REASONS, ignore_stops, run, stop_requested
+    from stepscope.instrument.tracker import RunConfig
+    from stepscope.instrument.tune import Search, search
+    from stepscope.report.tune import print_tune
+
+    target = _target(args.command, TUNE_USAGE)
+    lint, notes = lint_script(script_path(target.argv[1:]))
+    _check_outputs(args, json="tune results")
+    config = RunConfig(
+        out_dir="",
+        warmup=args.warmup,
+        steps=args.steps,
+        system_interval_s=0.25,  # as doctor: a short run still has host samples
+        params_steps=max(1, min(3, args.warmup)),
+        audit_continue=True,
+        ceiling_batches=100,
+    )
+
+    def diagnose(arguments: list[str]) -> RunSummary:
+        _, summary = run(target, dataclasses.replace(config, apply=parse_fixes(arguments)), more_runs=True)
+        examine(summary, lint)
+        return summary
+
+    started = time.monotonic()  # the budget counts the doctor's first run too
+    code, summary = run(target, config, more_runs=True)
+    summary.notes += notes
+    examine(summary, lint)
+    plan = Search(
+        target=target,
+        settings=Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup),
+        budget_s=args.budget_s,
+        allow_numerics=args.allow_numerics,
+        diagnose=diagnose,
+        run_timeout_s=args.run_timeout_s,
+        started=started,
+    )
+    if summary.exit.reason in STOPPED_REASONS or stop_requested():
+        result = None
+    elif code != 0 or not summary.throughput or not summary.throughput.steps_per_s:
+        result = None
+        print(f"stepscope: tune has nothing to search from: {_no_baseline(code, summary)}", file=sys.stderr)
+    else:
+        result = search(plan, summary)
+    ignore_stops()  # what is left is the report
+    written: list[str] = []
+    if args.json and result is not None:
+        _write_json(args.json, result.to_dict(), "tune results", written)
+    _print_report(print_tune, result, summary, args.command, written=written)
+    return _stopped_code(0 if result is not None else (code or 1))
+
+
+def _no_baseline(code: int, summary: RunSummary) -> str:
+    if code != 0:
+        return f"the script exited with code {code} ({summary.exit.reason}) in the doctor's run."
+    return "the doctor's run measured no training step."
 
 
 NO_LOADER = (
@@ -933,6 +1002,37 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--json", metavar="PATH", help="write the scaling table here")
     scale.add_argument("--html", metavar="PATH", help="write a self-contained HTML page with the table and charts")
     scale.set_defaults(func=_scale)
+    tune = commands.add_parser(
+        "tune",
+        help="search the settings --apply can make by measuring them, and hand back the fastest combination",
+        usage=TUNE_USAGE,
+        description="Diagnoses the script as `stepscope doctor` does, then measures the settings the diagnosis makes "
+        "plausible (worker counts on both sides of the core cap, prefetch, intra-op threads, the optimizer's "
+        "kernels, the debug modes; bf16 and TF32 with --allow-numerics) against the best so far: short runs first, "
+        "then full interleaved runs of the fastest third, keeping a setting only when its 95%% interval says "
+        "faster, and diagnosing again after each. Ends with the best against the baseline, and how to keep it.",
+    )
+    tune.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps skipped per run (default 20)")
+    tune.add_argument("--steps", type=_int_at_least(1), default=100, help="steps measured per full run (default 100)")
+    tune.add_argument(
+        "--repeats", type=_int_at_least(2), default=3, help="full runs of each promoted setting (default 3)"
+    )
+    tune.add_argument(
+        "--budget-s",
+        type=_positive_seconds,
+        default=600.0,
+        help="start no run that would end past this many seconds from the start (default 600); the search "
+        "leaves time for the last A/B of the best against the baseline",
+    )
+    tune.add_argument(
+        "--allow-numerics",
+        action="store_true",
+        help="also try settings that change numerics (bf16, TF32): their runs compute a slightly different model",
+    )
+    tune.add_argument("--json", metavar="PATH", help="write the baseline, the trials and the best combination here")
+    tune.add_argument("--run-timeout-s", type=_positive_seconds, help=RUN_TIMEOUT_HELP)
+    tune.set_defaults(func=_tune)
+
     ab = commands.add_parser(
         "ab",
         help="did my change help? run variants interleaved and compare sec/step with a confidence interval",

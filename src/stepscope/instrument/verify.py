@@ -72,7 +72,7 @@ def _refused(argument: str) -> str | None:
     return None
 
 
-def _queue_steps(applied: list[dict[str, object]]) -> int:
+def queue_steps(applied: list[dict[str, object]]) -> int:
     """Warm-up steps that drain the batches more loader workers fetch ahead (workers x prefetch_factor, torch's
     default 2) before measuring: counted, they would make a worker fix look faster than its workers can be.
     ``applied``: the variants' parsed ``--apply`` fixes ({id, value})."""
@@ -155,7 +155,7 @@ def verify(
     variants = [Variant(BASELINE, command, {}, target)]
     variants += [Variant(fix.id, command, {}, target, parse_fixes([arg])) for fix, arg in chosen.chosen]
     applied = [f for variant in variants for f in variant.apply]
-    settings = dataclasses.replace(settings, warmup=max(settings.warmup, _queue_steps(applied)))
+    settings = dataclasses.replace(settings, warmup=max(settings.warmup, queue_steps(applied)))
     log(
         f"stepscope doctor --verify: {len(variants)} variants ({', '.join(v.name for v in variants)}) x "
         f"{settings.repeats} interleaved runs of {settings.steps} steps"

@@ -1,0 +1,410 @@
+"""``stepscope tune``: search the settings ``--apply`` can make by measuring them, and hand back the fastest
+combination.
+
+A bound is a guess and ``doctor --verify`` grades one fix; settings interact (loader workers and intra-op threads
+share the cores), so a search must measure. The doctor's diagnosis names the plausible settings: its appliable
+fixes, with the values around each advised one (worker counts on both sides of the core cap, intra-op threads,
+prefetch), the optimizer's foreach/fused kernels where the optimizer shows, and the numerics-changing ones only
+when allowed. Each round then measures every candidate against the best combination so far:
+
+1. screening: short interleaved runs (a quarter of the steps, 2 runs each), the best so far among them;
+2. promotion: the third of the candidates that read fastest (at least one; none that read slower or no faster)
+   run again at full length, ``repeats`` runs each, interleaved with the best so far (successive halving);
+3. a candidate is kept only when ab's 95% interval says it is faster; the fastest of those joins the best.
+
+The doctor runs again on the new best, because the bound moves, and the next round starts from its diagnosis. The
+search ends when no candidate is faster, when none is left, or at the budget; a last A/B of the baseline against
+the best gives the headline speedup with its interval, measured, not multiplied from the rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stepscope.analyses.ab import FASTER, SLOWER, ABResult, Comparison, Settings, VariantResult
+from stepscope.instrument.ab import Variant, run_ab
+from stepscope.instrument.apply import ApplyError, describe, parse_fixes, worker_limit
+from stepscope.instrument.launch import Target
+from stepscope.instrument.verify import apply_argument, queue_steps
+from stepscope.summary import RunSummary
+
+BASELINE = "baseline"
+SCREEN_REPEATS = 2  # runs of each candidate and of the best so far when screening
+SCREEN_STEP_SHARE = 0.25  # of --steps, per screening run
+MIN_SCREEN_STEPS = 10
+PROMOTE_SHARE = 1 / 3  # of the screened candidates, the fastest go on to full runs
+MIN_SHARE = 0.05  # of the step: a phase below this makes no setting that acts on it plausible
+SCREEN_LEAD = 1.0  # a screened candidate must read faster than the best so far by this ratio to go on
+
+# What to write in the script (or its environment) to keep a setting without stepscope.
+KEEP = {
+    "loader.num_workers": "DataLoader(..., num_workers={value})",
+    "loader.persistent_workers": "DataLoader(..., persistent_workers={value})",
+    "loader.prefetch": "DataLoader(..., prefetch_factor={value})",
+    "loader.pin_memory": "DataLoader(..., pin_memory={value})",
+    "host.threads": "torch.set_num_threads({value}) before training (or OMP_NUM_THREADS={value} in the environment)",
+    "optimizer.foreach": "torch.optim.<Optimizer>(..., foreach={value})",
+    "optimizer.fused": "torch.optim.<Optimizer>(..., fused={value})",
+    "zero_grad.set_to_none": "optimizer.zero_grad(set_to_none={value})",
+    "ddp.gradient_as_bucket_view": "DistributedDataParallel(..., gradient_as_bucket_view={value})",
+    "ddp.find_unused_parameters": "DistributedDataParallel(..., find_unused_parameters={value})",
+    "ddp.static_graph": "DistributedDataParallel(..., static_graph={value})",
+    "precision.bf16": "with torch.autocast(device_type, dtype=torch.bfloat16): around the model's forward",
+    "tf32": "torch.set_float32_matmul_precision('{value}')",
+    "cudnn.benchmark": "torch.backends.cudnn.benchmark = {value}",
+    "debug.anomaly": "torch.autograd.set_detect_anomaly({value}) (remove the call that turns it on)",
+    "debug.deterministic": "torch.use_deterministic_algorithms({value}) (remove the call that turns it on)",
+}
+
+
+@dataclass
+class Trial:
+    """One candidate measured against the best combination so far."""
+
+    round: int
+    stage: str  # "screen" (short runs) or "confirm" (full runs)
+    candidate: str  # the setting(s) the trial adds to the best so far, as ``--apply`` takes them
+    apply: list[str]  # every setting of the trial
+    steps_per_s: float | None
+    speedup: float | None  # against the best so far (> 1: faster)
+    ci_low: float | None
+    ci_high: float | None
+    verdict: str
+    kept: bool = False
+    reason: str = ""
+
+
+@dataclass
+class TuneResult:
+    """What the search measured and found; ``to_dict`` is the ``--json`` file."""
+
+    baseline_steps_per_s: float | None
+    trials: list[Trial] = field(default_factory=list)
+    best_apply: list[str] = field(default_factory=list)
+    best_steps_per_s: float | None = None
+    speedup: float | None = None  # best against the baseline, from the last A/B
+    ci_low: float | None = None
+    ci_high: float | None = None
+    keep: list[str] = field(default_factory=list)  # the code and environment changes that keep the best
+    rounds: int = 0
+    stopped: str | None = None  # why the search ended before it ran out of candidates
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "baseline": {"steps_per_s": self.baseline_steps_per_s},
+            "trials": [asdict(t) for t in self.trials],
+            "best": {
+                "apply": self.best_apply,
+                "speedup": self.speedup,
+                "ci_low": self.ci_low,
+                "ci_high": self.ci_high,
+                "steps_per_s": self.best_steps_per_s,
+            },
+            "keep": self.keep,
+            "rounds": self.rounds,
+            "stopped": self.stopped,
+            "notes": self.notes,
+        }
+
+
+# -- candidates ---------------------------------------------------------------------------------------------------
+
+
+def _ids(argument: str) -> set[str]:
+    """The fixes a setting is about: a candidate replaces every setting of the best that shares one."""
+    return {fix["id"] for fix in parse_fixes([argument])}
+
+
+def _combined(best: list[str], candidate: str | None = None) -> list[str]:
+    """The ``--apply`` arguments of ``best`` with ``candidate`` in place of the settings it is about."""
+    if candidate is None:
+        return list(best)
+    ids = _ids(candidate)
+    return [argument for argument in best if not _ids(argument) & ids] + [candidate]
+
+
+def _cores(summary: RunSummary) -> int:
+    from stepscope.doctor.facts import cores_of, ranks_per_machine
+
+    cores = cores_of(summary.facts) or 1
+    return max(1, math.floor(cores / ranks_per_machine(summary.facts)))
+
+
+def _share(summary: RunSummary, *phases: str) -> float:
+    return sum(summary.phases[p].share for p in phases if p in summary.phases and not summary.phases[p].nested)
+
+
+def _worker_values(summary: RunSummary, advised: int | None) -> list[int]:
+    """Worker counts around the current and advised ones, on both sides of the core cap, within --apply's bound."""
+    current = max((loader.num_workers for loader in summary.loaders), default=0)
+    cores = _cores(summary)
+    limit, _ = worker_limit()
+    around = {max(1, current // 2), current * 2, cores - 1, cores, 2 * cores}
+    if advised is not None:
+        around |= {max(1, advised // 2), advised, advised * 2}
+    return sorted(v for v in around if 1 <= v <= limit and v != current)
+
+
+def candidates(summary: RunSummary, best: list[str], allow_numerics: bool) -> list[str]:
+    """The settings worth measuring on this diagnosis (``--apply`` arguments), without those already in ``best``.
+    Worker counts carry persistent workers, as the doctor's worker fix does: a count alone restarts the workers
+    every epoch."""
+    found: list[str] = []
+    advised_workers = None
+    for fix in summary.fixes:
+        argument = apply_argument(fix)
+        if argument is None or (fix.changes_numerics and not allow_numerics):
+            continue
+        fixes = parse_fixes([argument])
+        if fixes[0]["id"] == "loader.num_workers":
+            advised_workers = int(fixes[0]["value"])
+        found.append(argument)
+    threads = summary.facts.get("threads", {}).get("torch_threads")
+    on_cpu = summary.meta.device == "cpu"
+    cores = _cores(summary)
+    on_data = summary.loaders and (_share(summary, "data_wait") >= MIN_SHARE or advised_workers is not None)
+    if on_data:
+        for n in _worker_values(summary, advised_workers):
+            workers = f"loader.num_workers={n},loader.persistent_workers"
+            found.append(workers)
+            # Workers and intra-op threads share the cores: a count that only helps with fewer threads (each
+            # alone measures no faster) is found as the pair.
+            fit = max(1, cores - n)
+            if threads and on_cpu and fit < threads:
+                found.append(f"{workers},host.threads={fit}")
+        if any(loader.num_workers for loader in summary.loaders) or advised_workers:
+            found.append("loader.prefetch=4")
+    if threads and on_cpu:  # CPU ops run on the intra-op threads; a GPU's do not
+        found += [f"host.threads={n}" for n in sorted({1, max(1, cores // 2), cores}) if n != threads]
+    if _share(summary, "optimizer") >= MIN_SHARE:
+        found += ["optimizer.foreach", "optimizer.fused"]
+    if not on_cpu:
+        found.append("cudnn.benchmark")
+        if allow_numerics:
+            found += ["tf32", "precision.bf16"]
+    elif allow_numerics and _share(summary, "forward", "backward") >= MIN_SHARE:
+        found.append("precision.bf16")
+    out: list[str] = []
+    for argument in found:
+        if argument in out or argument in best or _refused(argument, best):
+            continue
+        out.append(argument)
+    return out
+
+
+def _refused(argument: str, best: list[str]) -> bool:
+    """Whether ``--apply`` refuses ``argument`` beside the best so far (fused with foreach, a bound passed)."""
+    try:
+        parse_fixes(_combined(best, argument))
+    except ApplyError:
+        return True
+    return False
+
+
+# -- the search ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Search:
+    """What ``tune`` runs: the command, the run settings, the budget; ``diagnose`` runs the doctor once on a
+    combination (``--apply`` arguments) and returns its summary."""
+
+    target: Target
+    settings: Settings  # full runs: repeats, steps, warmup
+    budget_s: float
+    allow_numerics: bool
+    diagnose: Callable[[list[str]], RunSummary]
+    run_timeout_s: float | None = None
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+    runner: Callable[..., ABResult] = run_ab  # runs an A/B of variants (run_ab's signature)
+    started: float = field(default_factory=time.monotonic)
+    run_s: float = 0.0  # a full run's duration so far (s): the last A/B of the best is kept inside the budget
+
+    def left_s(self, reserve: bool = True) -> float:
+        """Seconds of the budget left to the search; with ``reserve``, less the last A/B's (2 × repeats runs)."""
+        kept = 2 * self.settings.repeats * self.run_s if reserve else 0.0
+        return self.budget_s - (time.monotonic() - self.started) - kept
+
+    def variant(self, name: str, arguments: list[str]) -> Variant:
+        return Variant(name, " ".join(self.target.argv), {}, self.target, parse_fixes(arguments))
+
+    def ab(self, variants: list[Variant], settings: Settings, reserve: bool = True) -> ABResult:
+        """Run ``variants`` interleaved within what is left of the budget; full runs update ``run_s``. The warm-up
+        drains the batches more workers fetch ahead, as ``doctor --verify``'s does."""
+        started = time.monotonic()
+        queued = queue_steps([fix for variant in variants for fix in variant.apply])
+        result = self.runner(
+            variants,
+            dataclasses.replace(settings, warmup=max(settings.warmup, queued)),
+            log=lambda line: self.log("  " + line),
+            budget_s=max(self.left_s(reserve), 1e-3),
+            run_timeout_s=self.run_timeout_s,
+        )
+        runs = sum(len(v.runs) for v in result.variants)
+        if settings.steps == self.settings.steps and runs:
+            self.run_s = max(self.run_s, (time.monotonic() - started) / runs)
+        return result
+
+
+def _steps_per_s(variant: VariantResult | None) -> float | None:
+    return None if variant is None or not variant.sec_per_step else 1 / variant.sec_per_step
+
+
+def _trial(round_: int, stage: str, candidate: str, best: list[str], result: ABResult) -> Trial:
+    comparison: Comparison | None = next((c for c in result.comparisons if c.candidate == candidate), None)
+    variant = next((v for v in result.variants if v.name == candidate), None)
+    low, high = comparison.speedup_ci if comparison and comparison.speedup_ci else (None, None)
+    return Trial(
+        round=round_,
+        stage=stage,
+        candidate=candidate,
+        apply=_combined(best, candidate),
+        steps_per_s=_steps_per_s(variant),
+        speedup=comparison.speedup if comparison else None,
+        ci_low=low,
+        ci_high=high,
+        verdict=comparison.verdict if comparison else "not run",
+        reason="" if comparison else "not run: the budget ran out",
+    )
+
+
+def _promoted(screened: list[Trial]) -> list[Trial]:
+    """The fastest third of the screened candidates (at least one) that read faster than the best so far; the
+    others are rejected with the reason."""
+    ahead = [t for t in screened if t.verdict != SLOWER and (t.speedup or 0.0) > SCREEN_LEAD]
+    ahead.sort(key=lambda t: -(t.speedup or 0.0))
+    chosen = ahead[: max(1, math.ceil(len(screened) * PROMOTE_SHARE))] if ahead else []
+    for trial in screened:
+        if any(trial is c for c in chosen):
+            trial.reason = "promoted to full runs"
+        elif not trial.reason:
+            trial.reason = (
+                "screened behind the fastest third"
+                if trial in ahead
+                else f"screened {'slower' if trial.verdict == SLOWER else 'no faster'} than the best so far"
+            )
+    return chosen
+
+
+def search(plan: Search, summary: RunSummary) -> TuneResult:
+    """Tune from the doctor's ``summary`` of the unmodified script; see the module docstring."""
+    from stepscope.instrument.launch import stop_requested
+
+    result = TuneResult(baseline_steps_per_s=summary.throughput.steps_per_s if summary.throughput else None)
+    best: list[str] = []
+    threads = summary.facts.get("threads", {}).get("torch_threads")
+    tried = {f"host.threads={threads}"}  # the script's own thread count is the baseline's: measured already
+    headline: Trial | None = None  # the kept trial of round 1, measured against the baseline itself
+    screen = dataclasses.replace(
+        plan.settings,
+        repeats=SCREEN_REPEATS,
+        steps=max(MIN_SCREEN_STEPS, round(plan.settings.steps * SCREEN_STEP_SHARE)),
+    )
+    while True:
+        found = [c for c in candidates(summary, best, plan.allow_numerics) if c not in tried]
+        if stop_requested():
+            result.stopped = "the search was stopped; the best so far is what was kept."
+            break
+        if not found:
+            result.notes.append(f"round {result.rounds + 1}: no setting left to try on this diagnosis.")
+            break
+        if plan.left_s() <= 0:
+            result.stopped = f"the budget of {plan.budget_s:g} s ran out; the best so far is what was kept."
+            break
+        result.rounds += 1
+        round_ = result.rounds
+        tried.update(found)
+        base = plan.variant(BASELINE if not best else "best", best)
+        promoted = found
+        if len(found) > 1:  # successive halving: one candidate goes straight to full runs
+            plan.log(f"stepscope tune: round {round_}: screening {len(found)} setting(s): {', '.join(found)}")
+            screened_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in found], screen)
+            screened = [_trial(round_, "screen", c, best, screened_ab) for c in found]
+            result.trials += screened
+            promoted = [t.candidate for t in _promoted(screened)]
+            if screened_ab.stopped:
+                result.stopped = screened_ab.stopped
+                break
+            if not promoted:
+                result.notes.append(f"round {round_}: no setting read faster than the best so far when screened.")
+                break
+        plan.log(f"stepscope tune: round {round_}: full runs of {', '.join(promoted)}")
+        confirm_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in promoted], plan.settings)
+        confirmed = [_trial(round_, "confirm", c, best, confirm_ab) for c in promoted]
+        result.trials += confirmed
+        faster = sorted((t for t in confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
+        for trial in confirmed:
+            if not faster or trial is not faster[0]:
+                trial.reason = trial.reason or (
+                    "a faster one was kept" if trial.verdict == FASTER else f"{trial.verdict} than the best so far"
+                )
+        if not faster:
+            if confirm_ab.stopped:
+                result.stopped = confirm_ab.stopped
+            else:
+                result.notes.append(f"round {round_}: no setting measured faster than the best so far in full runs.")
+            break
+        winner = faster[0]
+        winner.kept, winner.reason = True, "faster than the best so far (95% interval above 1)"
+        headline = winner if not best else None
+        best = _combined(best, winner.candidate)
+        plan.log(f"stepscope tune: kept {winner.candidate} ({winner.speedup:.2f}x); the doctor runs again on it")
+        if confirm_ab.stopped or plan.left_s() <= 0:
+            result.stopped = confirm_ab.stopped or f"the budget of {plan.budget_s:g} s ran out after round {round_}."
+            break
+        summary = plan.diagnose(best)
+    result.best_apply = best
+    result.keep = keep_lines(best)
+    if headline is not None and headline.apply == best:  # one kept setting: its own A/B was against the baseline
+        result.best_steps_per_s = headline.steps_per_s
+        result.speedup, result.ci_low, result.ci_high = headline.speedup, headline.ci_low, headline.ci_high
+    elif best:
+        _measure_best(plan, result)
+    return result
+
+
+def _measure_best(plan: Search, result: TuneResult) -> None:
+    """The headline: the best against the baseline in its own interleaved A/B (speedups of the rounds were each
+    against a different best, and their product carries no interval). The search left it its share of the budget."""
+    plan.log(f"stepscope tune: the best ({', '.join(result.best_apply)}) against the baseline")
+    final = plan.ab([plan.variant(BASELINE, []), plan.variant("best", result.best_apply)], plan.settings, False)
+    comparison = final.comparisons[0] if final.comparisons else None
+    result.baseline_steps_per_s = _steps_per_s(final.variants[0]) or result.baseline_steps_per_s
+    result.best_steps_per_s = _steps_per_s(final.variants[1])
+    if comparison is not None:
+        result.speedup = comparison.speedup
+        if comparison.speedup_ci is not None:
+            result.ci_low, result.ci_high = comparison.speedup_ci
+        if comparison.verdict != FASTER:
+            result.notes.append(
+                f"the best combination read {comparison.verdict} against the baseline in the last A/B: the gains "
+                "of its rounds did not add up"
+            )
+    if final.stopped:
+        result.notes.append(f"the last A/B: {final.stopped}")
+
+
+def keep_lines(arguments: list[str]) -> list[str]:
+    """How to keep each setting without stepscope: the code or environment change, one line each."""
+    lines = []
+    for fix in parse_fixes(arguments):
+        value = fix["value"]
+        word = describe(value) if isinstance(value, bool) else str(value)
+        shown = {"on": "True", "off": "False"}.get(word, word)
+        lines.append(KEEP[fix["id"]].format(value=shown))
+    return lines
+
+
+def run_line(arguments: list[str], command: list[str]) -> str:
+    """The ``stepscope run --apply ...`` line that runs the script with the best settings."""
+    import shlex
+
+    applied = " ".join(f"--apply {shlex.quote(a)}" for a in arguments)
+    return " ".join(part for part in ("stepscope run", applied, shlex.join(command)) if part)

@@ -1,0 +1,80 @@
+"""Terminal report of `stepscope tune`: the doctor's verdict on the script as it is, one row per trial (round,
+stage, setting, steps/s, speedup against the best so far with its interval, kept or why not), then the best
+combination against the baseline and how to keep it. Plain ASCII when the output is not a terminal."""
+
+from __future__ import annotations
+
+from typing import IO
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from stepscope.instrument.tune import TuneResult, run_line
+from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
+from stepscope.summary import RunSummary
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _interval(low: float | None, high: float | None) -> str:
+    return "-" if low is None or high is None else f"{low:.2f}–{high:.2f}"
+
+
+def trial_table(result: TuneResult, ascii_only: bool = False) -> Table:
+    """One row per trial, in the order they ran."""
+    table = Table(
+        box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1)
+    )
+    table.add_column("round", justify="right", no_wrap=True)
+    table.add_column("stage", no_wrap=True)
+    table.add_column("setting")
+    for header in ("steps/s", "speedup", "95% CI"):
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("outcome")
+    for t in result.trials:
+        outcome = f"kept: {t.reason}" if t.kept else t.reason or t.verdict
+        table.add_row(
+            str(t.round), t.stage, escape(terminal_safe(t.candidate)), _number(t.steps_per_s),
+            "-" if t.speedup is None else f"{t.speedup:.2f}x", _interval(t.ci_low, t.ci_high),
+            escape(terminal_safe(outcome)),
+        )  # fmt: skip
+    return table
+
+
+def print_tune(result: TuneResult | None, summary: RunSummary, command: list[str], file: IO[str] | None = None) -> None:
+    """The verdict on the script as it is, the trials, the best combination with its measured speedup, and the
+    exact lines that keep it."""
+    console = _console(file)
+
+    def say(text: str) -> None:
+        console.print(terminal_safe(text), markup=False)
+
+    verdict = summary.verdict
+    say(f"stepscope tune · as it is: {verdict.bound} bound ({verdict.confidence} confidence)")
+    for note in summary.notes:
+        say(f"note: {note}")
+    if result is None:
+        say("nothing was searched.")
+        return
+    say(f"baseline: {_number(result.baseline_steps_per_s)} steps/s · {result.rounds} round(s) · speedups against the "
+        "best so far (> 1: faster); kept only when the 95% interval says faster")  # fmt: skip
+    if result.trials:
+        console.print(trial_table(result, ascii_only=_plain(console)))
+    for note in result.notes:
+        say(f"note: {note}")
+    if result.stopped:
+        say(result.stopped)
+    if not result.best_apply:
+        say("best: the script as it is; no setting measured faster.")
+        return
+    say(
+        f"best: {', '.join(result.best_apply)} · {_number(result.best_steps_per_s)} steps/s · "
+        f"{_number(result.speedup)}x the baseline (95% CI {_interval(result.ci_low, result.ci_high)})"
+    )
+    say(f"run it:  {run_line(result.best_apply, command)}")
+    say("keep it in the script:")
+    for line in result.keep:
+        say(f"  {line}")
