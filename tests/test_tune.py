@@ -4,18 +4,22 @@ thread (a known answer under any load)."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from stepscope.analyses.ab import FASTER, SLOWER, RunFigures, Settings, ab_result, variant_result
+from stepscope.instrument.apply import parse_fixes
 from stepscope.instrument.launch import script_target
-from stepscope.instrument.tune import Search, candidates, keep_lines, run_line, search
+from stepscope.instrument.tune import Search, candidates, keep_lines, neighbours, run_line, search, verify_neighbours
 from stepscope.summary import Fix, LoaderInfo, Meta, PhaseStats, RunSummary, Throughput
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -32,16 +36,18 @@ def _settings_of(apply: list[dict]) -> tuple[int, int]:
 STEP_MS = {(0, 2): 11.0, (1, 2): 14.5, (2, 2): 11.0, (4, 2): 12.5, (0, 1): 13.0, (1, 1): 10.5, (2, 1): 8.5, (4, 1): 9.5}
 
 
-def model_runner(step_ms: dict[tuple[int, int], float], calls: list[list[str]], prefetch_ms: float = 0.0):
+def model_runner(step_ms: dict[tuple[int, int], float], calls: list[list[str]], prefetch_ms: float = 0.0, ms=None):
     """An A/B runner for a machine whose step time per (workers, threads) is ``step_ms`` (12 ms elsewhere), less
-    ``prefetch_ms`` with loader.prefetch and workers, with 2% noise per step and 1% per run; ``calls`` records the
-    variants of each A/B."""
+    ``prefetch_ms`` with loader.prefetch and workers (or ``ms(apply)``), with 2% noise per step and 1% per run;
+    ``calls`` records the variants of each A/B."""
     rng = random.Random(7)
 
-    def ms(apply: list[dict]) -> float:
+    def table_ms(apply: list[dict]) -> float:
         workers, threads = _settings_of(apply)
         prefetch = workers > 0 and any(f["id"] == "loader.prefetch" for f in apply)
         return step_ms.get((workers, threads), 12.0) - (prefetch_ms if prefetch else 0.0)
+
+    ms = ms or table_ms
 
     def run(variants, settings, log=print, budget_s=None, run_timeout_s=None):
         calls.append([v.name for v in variants])
@@ -111,15 +117,16 @@ def test_workers_and_threads_are_found_together_where_neither_helps_alone():
     assert advised and advised[0].verdict == SLOWER and not any(t.kept for t in advised)
     (kept,) = [t for t in result.trials if t.kept]
     assert (kept.candidate, kept.stage, kept.verdict) == (best, "confirm", FASTER)
-    # Successive halving: all 8 settings screened in one A/B, the fastest third confirmed in full runs.
+    # Successive halving: all 7 settings screened in one A/B, the fastest third confirmed in full runs.
     screened = [t for t in result.trials if t.stage == "screen" and t.round == 1]
-    assert len(screened) == len(calls[0]) - 1 == 8
+    assert len(screened) == len(calls[0]) - 1 == 7
     assert len(calls[1]) - 1 == 3 and kept.candidate in calls[1]
     assert all(t.reason for t in result.trials)
-    # The doctor ran again on the kept setting; nothing new was left to try, and the one kept setting's own A/B
-    # against the baseline is the headline (no last A/B).
-    assert diagnosed == [[best]] and len(calls) == 2
-    assert result.notes == ["round 2: no setting left to try on this diagnosis."]
+    # The doctor ran again on the kept setting; prefetching, which needs workers, was new there and measured no
+    # faster (one candidate: full runs at once); the one kept setting's own A/B against the baseline is the
+    # headline (no last A/B).
+    assert diagnosed == [[best]] and calls[2] == ["best", "loader.prefetch=4"] and len(calls) == 3
+    assert result.notes == ["round 2: no setting measured faster than the best so far in full runs."]
     assert result.keep == [
         "DataLoader(..., num_workers=2)",
         "DataLoader(..., persistent_workers=True)",
@@ -143,6 +150,39 @@ def test_a_second_round_builds_on_the_first_and_the_headline_is_measured_against
     # The last A/B ran the baseline against the best: its speedup is 11 / 7, not a product of the rounds'.
     assert calls[-1] == ["baseline", "best"]
     assert result.speedup == pytest.approx(11.0 / 7.0, rel=0.03) and result.ci_low > 1
+
+
+def three_slowdowns_ms(apply: list[dict]) -> float:
+    """Anomaly mode on (+5 ms), Adam's per-parameter loop (+7; foreach saves 6, fused 7), a loader without
+    workers (+9; 1 worker +3, 2 or more +1), on a 10 ms step; threads change nothing."""
+    chosen = {f["id"]: f["value"] for f in apply}
+    workers = chosen.get(WORKERS, 0)
+    loader = 9.0 if workers == 0 else 3.0 if workers == 1 else 1.0
+    optimizer = 0.0 if chosen.get("optimizer.fused") else 1.0 if chosen.get("optimizer.foreach") else 7.0
+    anomaly = 0.0 if chosen.get("debug.anomaly") is False else 5.0
+    return 10.0 + loader + optimizer + anomaly
+
+
+def test_three_independent_slowdowns_are_all_found():
+    summary = diagnosis(0, 2)
+    summary.phases["optimizer"] = PhaseStats(7.0, 7.0, 7.5, 0.23, 100)
+    summary.fixes = [Fix("debug.anomaly", "Anomaly off", "", [], "", "config", 0.16, apply="debug.anomaly=off")]
+    calls: list[list[str]] = []
+    plan, _ = _plan(model_runner({}, calls, ms=three_slowdowns_ms))
+
+    def diagnose(arguments: list[str]) -> RunSummary:
+        again = diagnosis(*_settings_of(parse_fixes(arguments)))
+        again.phases["optimizer"], again.fixes = summary.phases["optimizer"], list(summary.fixes)
+        return again
+
+    plan.diagnose = diagnose
+    result = search(plan, summary)
+    chosen = {f["id"]: f["value"] for f in parse_fixes(result.best_apply)}
+    assert chosen.get("debug.anomaly") is False and chosen.get("optimizer.fused") is True, result.best_apply
+    assert chosen.get(WORKERS, 0) >= 2, result.best_apply
+    # Measured against the baseline in the last A/B: 31 ms against 11.
+    assert calls[-1] == ["baseline", "best"]
+    assert result.speedup == pytest.approx(31.0 / 11.0, rel=0.03)
 
 
 def test_nothing_faster_keeps_the_script_as_it_is():
@@ -175,6 +215,92 @@ def test_candidates_follow_the_diagnosis():
     assert "optimizer.foreach" not in candidates(compute, ["optimizer.fused"], allow_numerics=False)
 
 
+def _advised_slower(step_ms: dict[tuple[int, int], float]) -> tuple[RunSummary, list[list[str]]]:
+    """doctor --verify's neighbour search after the advised 1 worker measured slower, on the model machine."""
+    advice = f"{WORKERS}=1,loader.persistent_workers"
+    summary = diagnosis(0, 2, advice=advice)
+    measured = {"verdict": SLOWER, "applied": advice, "speedup": 0.76, "ci_low": 0.7, "ci_high": 0.83}
+    summary.fixes[0] = dataclasses.replace(summary.fixes[0], measured=measured)
+    calls: list[list[str]] = []
+    target = script_target(str(SCRIPTS / "threads_sleep.py"), [])
+    runner = model_runner(step_ms, calls)
+    verify_neighbours(target, summary, Settings(3, 100, 5), 600.0, runner=runner, log=lambda line: None)
+    return summary, calls
+
+
+def test_verify_measures_the_neighbours_of_an_advised_count_that_measured_slower():
+    summary, calls = _advised_slower(STEP_MS)
+    tried = [n["applied"] for n in summary.fixes[0].measured["neighbours"]]
+    assert calls == [["baseline", *tried]]  # one A/B: the baseline and every neighbour, interleaved
+    assert f"{WORKERS}=2,loader.persistent_workers,host.threads=1" in tried
+    (note,) = summary.notes
+    assert note.startswith(f"--verify: {WORKERS} at its advised value ({WORKERS}=1,loader.persistent_workers) ")
+    assert f"{WORKERS}=2,loader.persistent_workers,host.threads=1 measured 1.29x" in note and "use that" in note
+    assert summary.fixes[0].measured["verdict"] == SLOWER  # the advice's own measurement stays what it was
+
+
+def test_verify_says_when_no_neighbour_helps_either():
+    summary, _ = _advised_slower(dict.fromkeys(STEP_MS, 11.0))
+    (note,) = summary.notes
+    assert "none of the values around its advice" in note and "measured faster either" in note
+
+
+def test_neighbours_of_a_count_keep_what_the_fix_carries():
+    summary = diagnosis(0, 2)
+    assert neighbours("loader.prefetch=4", summary) == ["loader.prefetch=2", "loader.prefetch=8"]
+    assert neighbours("host.threads=2", summary) == ["host.threads=1", "host.threads=4"]
+    around = neighbours(f"{WORKERS}=8,loader.persistent_workers,loader.prefetch=4", summary)
+    assert f"{WORKERS}=4,loader.persistent_workers,loader.prefetch=4" in around
+    assert f"{WORKERS}=16,loader.persistent_workers,loader.prefetch=4" in around
+    assert neighbours("debug.anomaly=off", summary) == []
+
+
+def test_the_html_page_charts_every_trial_and_says_how_to_keep_the_best(tmp_path):
+    from stepscope.report.tune_html import KEPT, write_tune_html
+
+    calls: list[list[str]] = []
+    plan, _ = _plan(model_runner(STEP_MS, calls))
+    result = search(plan, diagnosis(0, 2))
+    result.notes.append("a <b>note</b> from a run")
+    page_path = tmp_path / "tune.html"
+    write_tune_html(result, ["train.py", "--name", "<x>"], page_path)
+    page = page_path.read_text()
+    assert page.count("<circle") == len(result.trials) and f'fill="{KEPT}"' in page  # one point each; kept: green
+    assert "stepscope run --apply loader.num_workers=2,loader.persistent_workers,host.threads=1 train.py" in page
+    assert "torch.set_num_threads(1)" in page and "1.29x the baseline" in page
+    assert "<b>note</b>" not in page and "&lt;x&gt;" in page  # user text escaped
+    assert "<script" not in page
+
+
+def test_a_candidate_replaces_only_the_settings_it_sets():
+    from stepscope.instrument.tune import _combined
+
+    best = [f"{WORKERS}=4,loader.persistent_workers,host.threads=1", "optimizer.fused"]
+    assert _combined(best, f"{WORKERS}=8,loader.persistent_workers") == [
+        "host.threads=1", "optimizer.fused", f"{WORKERS}=8,loader.persistent_workers",
+    ]  # fmt: skip
+    assert _combined(best, "debug.anomaly=off") == [*best, "debug.anomaly=off"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_keeps_the_round_lines_and_shows_the_runs(terminal):
+    from stepscope.report.tune import progress
+
+    out = _Terminal() if terminal else io.StringIO()
+    with progress(600.0, started=time.monotonic() - 12, file=out) as log:
+        log("stepscope tune: round 1: screening 2 setting(s): a, b")
+        log("  stepscope ab: run 1/4: baseline")
+    text = out.getvalue()
+    assert "stepscope tune: round 1: screening 2 setting(s): a, b" in text
+    # In a log every line stays; on a terminal the runs pass through the status line with the budget spent.
+    assert ("stepscope ab: run 1/4: baseline" in text) and (not terminal or "s of 600 s" in text)
+
+
 def test_keep_lines_and_the_run_line():
     assert keep_lines(["optimizer.foreach", "debug.anomaly=off"]) == [
         "torch.optim.<Optimizer>(..., foreach=True)",
@@ -195,7 +321,8 @@ def test_tune_finds_the_thread_count_of_a_real_script(tmp_path):
     out = tmp_path / "tune.json"
     done = subprocess.run(
         [sys.executable, "-m", "stepscope.cli", "tune", "--warmup", "3", "--steps", "20", "--repeats", "2",
-         "--json", str(out), str(SCRIPTS / "threads_sleep.py"), "--ms-per-thread", "6"],
+         "--json", str(out), "--html", str(tmp_path / "tune.html"), str(SCRIPTS / "threads_sleep.py"),
+         "--ms-per-thread", "6"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -207,3 +334,4 @@ def test_tune_finds_the_thread_count_of_a_real_script(tmp_path):
     assert f"stepscope run --apply host.threads=1 {script} --ms-per-thread 6" in done.stdout, done.stdout
     assert "torch.set_num_threads(1)" in done.stdout
     assert "round 1: full runs of host.threads=1" in done.stderr, done.stderr
+    assert "<svg" in (tmp_path / "tune.html").read_text() and "tune page written to" in done.stdout

@@ -7,7 +7,8 @@ fixes, with the values around each advised one (worker counts on both sides of t
 prefetch), the optimizer's foreach/fused kernels where the optimizer shows, and the numerics-changing ones only
 when allowed. Each round then measures every candidate against the best combination so far:
 
-1. screening: short interleaved runs (a quarter of the steps, 2 runs each), the best so far among them;
+1. screening: interleaved runs of every candidate and the best so far, 2 runs each (of a quarter of the steps
+   when a full run's steps would take over 30 s; else all of them, as start-up is most of a short run);
 2. promotion: the third of the candidates that read fastest (at least one; none that read slower or no faster)
    run again at full length, ``repeats`` runs each, interleaved with the best so far (successive halving);
 3. a candidate is kept only when ab's 95% interval says it is faster; the fastest of those joins the best.
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stepscope.analyses.ab import FASTER, SLOWER, ABResult, Comparison, Settings, VariantResult
+from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, Settings, VariantResult
 from stepscope.instrument.ab import Variant, run_ab
 from stepscope.instrument.apply import ApplyError, describe, parse_fixes, worker_limit
 from stepscope.instrument.launch import Target
@@ -36,11 +37,15 @@ from stepscope.summary import RunSummary
 
 BASELINE = "baseline"
 SCREEN_REPEATS = 2  # runs of each candidate and of the best so far when screening
-SCREEN_STEP_SHARE = 0.25  # of --steps, per screening run
-MIN_SCREEN_STEPS = 10
+# Screening runs measure a quarter of --steps (at least 20) when a full run's steps would take over SCREEN_FULL_S;
+# below that a run is mostly its process start-up (3 s of torch imports), and fewer steps would save little
+# time and measure noise (15 steps of 7 ms gave intervals of 0.2-4.5x).
+SCREEN_STEP_SHARE = 0.25
+MIN_SCREEN_STEPS = 20
+SCREEN_FULL_S = 30.0
 PROMOTE_SHARE = 1 / 3  # of the screened candidates, the fastest go on to full runs
 MIN_SHARE = 0.05  # of the step: a phase below this makes no setting that acts on it plausible
-SCREEN_LEAD = 1.0  # a screened candidate must read faster than the best so far by this ratio to go on
+SCREEN_LEAD = 1.02  # a screened candidate must read faster than the best so far by this ratio to go on
 
 # What to write in the script (or its environment) to keep a setting without stepscope.
 KEEP = {
@@ -123,11 +128,14 @@ def _ids(argument: str) -> set[str]:
 
 
 def _combined(best: list[str], candidate: str | None = None) -> list[str]:
-    """The ``--apply`` arguments of ``best`` with ``candidate`` in place of the settings it is about."""
+    """The ``--apply`` arguments of ``best`` with ``candidate`` in place of the settings it is about; the other
+    settings of an argument it overlaps stay (a worker count tried on top of workers-and-threads keeps the
+    threads)."""
     if candidate is None:
         return list(best)
     ids = _ids(candidate)
-    return [argument for argument in best if not _ids(argument) & ids] + [candidate]
+    kept = [",".join(p for p in argument.split(",") if not _ids(p) & ids) for argument in best]
+    return [argument for argument in kept if argument] + [candidate]
 
 
 def _cores(summary: RunSummary) -> int:
@@ -152,6 +160,16 @@ def _worker_values(summary: RunSummary, advised: int | None) -> list[int]:
     return sorted(v for v in around if 1 <= v <= limit and v != current)
 
 
+def _with_threads(workers: str, count: int, summary: RunSummary) -> str | None:
+    """``workers`` with the intra-op threads that fit beside ``count`` workers, on a CPU where that is fewer threads
+    than torch has (workers and threads share the cores: the pair can help where neither does alone)."""
+    threads = summary.facts.get("threads", {}).get("torch_threads")
+    fit = max(1, _cores(summary) - count)
+    if not threads or summary.meta.device != "cpu" or fit >= threads:
+        return None
+    return f"{workers},host.threads={fit}"
+
+
 def candidates(summary: RunSummary, best: list[str], allow_numerics: bool) -> list[str]:
     """The settings worth measuring on this diagnosis (``--apply`` arguments), without those already in ``best``.
     Worker counts carry persistent workers, as the doctor's worker fix does: a count alone restarts the workers
@@ -173,13 +191,8 @@ def candidates(summary: RunSummary, best: list[str], allow_numerics: bool) -> li
     if on_data:
         for n in _worker_values(summary, advised_workers):
             workers = f"loader.num_workers={n},loader.persistent_workers"
-            found.append(workers)
-            # Workers and intra-op threads share the cores: a count that only helps with fewer threads (each
-            # alone measures no faster) is found as the pair.
-            fit = max(1, cores - n)
-            if threads and on_cpu and fit < threads:
-                found.append(f"{workers},host.threads={fit}")
-        if any(loader.num_workers for loader in summary.loaders) or advised_workers:
+            found += [workers, *filter(None, [_with_threads(workers, n, summary)])]
+        if any(loader.num_workers for loader in summary.loaders):  # prefetching needs workers to fetch ahead
             found.append("loader.prefetch=4")
     if threads and on_cpu:  # CPU ops run on the intra-op threads; a GPU's do not
         found += [f"host.threads={n}" for n in sorted({1, max(1, cores // 2), cores}) if n != threads]
@@ -271,8 +284,39 @@ def _trial(round_: int, stage: str, candidate: str, best: list[str], result: ABR
         ci_low=low,
         ci_high=high,
         verdict=comparison.verdict if comparison else "not run",
-        reason="" if comparison else "not run: the budget ran out",
+        reason="" if comparison else "not run (budget)",
     )
+
+
+def _worse(verdict: str) -> str:
+    """A rejected trial's reason, against the best so far."""
+    return {SLOWER: "slower", NO_DIFFERENCE: "no faster"}.get(verdict, verdict)
+
+
+def screen_steps(settings: Settings, summary: RunSummary) -> int:
+    """Steps each screening run measures: all of ``settings.steps`` when they take under SCREEN_FULL_S at the
+    doctor's step time, else a quarter of them (at least MIN_SCREEN_STEPS)."""
+    step_ms = summary.throughput.step_time_ms if summary.throughput else None
+    if step_ms is not None and settings.steps * step_ms / 1e3 < SCREEN_FULL_S:
+        return settings.steps
+    return min(settings.steps, max(MIN_SCREEN_STEPS, round(settings.steps * SCREEN_STEP_SHARE)))
+
+
+def _simplest(faster: list[Trial]) -> Trial:
+    """Of the trials measured faster (fastest first), the one with the fewest settings among those as fast as the
+    fastest within its interval: a setting that adds nothing measurable is not one to keep."""
+    fastest = faster[0]
+    tied = [t for t in faster if (t.speedup or 0.0) >= (fastest.ci_low or 0.0)]
+    return min(tied, key=lambda t: (len(parse_fixes([t.candidate])), -(t.speedup or 0.0)))
+
+
+def _runners_up(trials: list[Trial], winner: Trial) -> list[Trial]:
+    """The round's trials that read faster than the best so far but were not kept (behind the fastest third when
+    screened, or faster and beaten in full runs), other than those that set a knob the winner sets."""
+    ids = _ids(winner.candidate)
+    behind = [t for t in trials if t.reason == "behind the fastest third"]
+    beaten = [t for t in trials if t.stage == "confirm" and t.verdict == FASTER and t is not winner]
+    return [t for t in behind + beaten if not _ids(t.candidate) & ids]
 
 
 def _promoted(screened: list[Trial]) -> list[Trial]:
@@ -283,13 +327,9 @@ def _promoted(screened: list[Trial]) -> list[Trial]:
     chosen = ahead[: max(1, math.ceil(len(screened) * PROMOTE_SHARE))] if ahead else []
     for trial in screened:
         if any(trial is c for c in chosen):
-            trial.reason = "promoted to full runs"
+            trial.reason = "promoted"
         elif not trial.reason:
-            trial.reason = (
-                "screened behind the fastest third"
-                if trial in ahead
-                else f"screened {'slower' if trial.verdict == SLOWER else 'no faster'} than the best so far"
-            )
+            trial.reason = "behind the fastest third" if trial in ahead else _worse(trial.verdict)
     return chosen
 
 
@@ -302,11 +342,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
     threads = summary.facts.get("threads", {}).get("torch_threads")
     tried = {f"host.threads={threads}"}  # the script's own thread count is the baseline's: measured already
     headline: Trial | None = None  # the kept trial of round 1, measured against the baseline itself
-    screen = dataclasses.replace(
-        plan.settings,
-        repeats=SCREEN_REPEATS,
-        steps=max(MIN_SCREEN_STEPS, round(plan.settings.steps * SCREEN_STEP_SHARE)),
-    )
+    screen = dataclasses.replace(plan.settings, repeats=SCREEN_REPEATS, steps=screen_steps(plan.settings, summary))
     while True:
         found = [c for c in candidates(summary, best, plan.allow_numerics) if c not in tried]
         if stop_requested():
@@ -322,7 +358,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
         round_ = result.rounds
         tried.update(found)
         base = plan.variant(BASELINE if not best else "best", best)
-        promoted = found
+        promoted, screened = found, []
         if len(found) > 1:  # successive halving: one candidate goes straight to full runs
             plan.log(f"stepscope tune: round {round_}: screening {len(found)} setting(s): {', '.join(found)}")
             screened_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in found], screen)
@@ -341,20 +377,21 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
         result.trials += confirmed
         faster = sorted((t for t in confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
         for trial in confirmed:
-            if not faster or trial is not faster[0]:
-                trial.reason = trial.reason or (
-                    "a faster one was kept" if trial.verdict == FASTER else f"{trial.verdict} than the best so far"
-                )
+            if not faster or trial is not _simplest(faster):
+                kept_other = "faster; a faster one kept"
+                trial.reason = trial.reason or (kept_other if trial.verdict == FASTER else _worse(trial.verdict))
         if not faster:
             if confirm_ab.stopped:
                 result.stopped = confirm_ab.stopped
             else:
                 result.notes.append(f"round {round_}: no setting measured faster than the best so far in full runs.")
             break
-        winner = faster[0]
-        winner.kept, winner.reason = True, "faster than the best so far (95% interval above 1)"
+        winner = _simplest(faster)
+        winner.kept, winner.reason = True, "kept"
         headline = winner if not best else None
         best = _combined(best, winner.candidate)
+        # What read faster but lost to the winner is tried again on top of it, unless it sets the same knob.
+        tried -= {t.candidate for t in _runners_up(screened + confirmed, winner)}
         plan.log(f"stepscope tune: kept {winner.candidate} ({winner.speedup:.2f}x); the doctor runs again on it")
         if confirm_ab.stopped or plan.left_s() <= 0:
             result.stopped = confirm_ab.stopped or f"the budget of {plan.budget_s:g} s ran out after round {round_}."
@@ -389,6 +426,80 @@ def _measure_best(plan: Search, result: TuneResult) -> None:
             )
     if final.stopped:
         result.notes.append(f"the last A/B: {final.stopped}")
+
+
+# -- doctor --verify: the neighbours of an advised value that measured no faster ----------------------------------
+
+COUNT_KNOBS = ("loader.num_workers", "loader.prefetch", "host.threads")
+
+
+def neighbours(argument: str, summary: RunSummary) -> list[str]:
+    """The values around the count a fix's ``argument`` sets (its first setting), each with the settings the
+    argument carries; for worker counts also each with the threads that fit beside it. [] for other fixes."""
+    head, *carried = argument.split(",")
+    fix = parse_fixes([head])[0]
+    value = fix["value"]
+    if fix["id"] == "loader.num_workers":
+        values = [n for n in _worker_values(summary, value) if n != value]
+    elif fix["id"] == "host.threads":
+        values = sorted({1, max(1, value // 2), value * 2, _cores(summary)} - {value})
+    elif fix["id"] == "loader.prefetch":
+        values = sorted({max(1, value // 2), value * 2} - {value})
+    else:
+        return []
+    found = []
+    for n in values:
+        tried = ",".join([f"{fix['id']}={n}", *carried])
+        found.append(tried)
+        if fix["id"] == "loader.num_workers" and not any(c.startswith("host.threads") for c in carried):
+            found += filter(None, [_with_threads(tried, n, summary)])
+    return [a for a in found if not _refused(a, [])]
+
+
+def verify_neighbours(
+    target: Target,
+    summary: RunSummary,
+    settings: Settings,
+    budget_s: float,
+    runner: Callable[..., ABResult] = run_ab,
+    run_timeout_s: float | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> None:
+    """For each verified count fix whose advised value measured no faster or slower, measure its neighbouring
+    values against the baseline (one A/B each, within ``budget_s`` in all), so that the flag comes with what does
+    work: ``measured["neighbours"]`` and a note name the fastest neighbour measured faster, or say none was."""
+    plan = Search(target, settings, budget_s, False, diagnose=lambda _: summary, run_timeout_s=run_timeout_s, log=log)
+    plan.runner = runner
+    for index, fix in enumerate(summary.fixes):
+        measured = fix.measured
+        if not measured or measured["verdict"] == FASTER or plan.left_s(reserve=False) <= 0:
+            continue
+        applied = str(measured["applied"])
+        if parse_fixes([applied])[0]["id"] not in COUNT_KNOBS or not (tries := neighbours(applied, summary)):
+            continue
+        log(f"stepscope doctor --verify: {applied} measured {measured['verdict']}; trying {', '.join(tries)}")
+        result = plan.ab([plan.variant(BASELINE, [])] + [plan.variant(t, [t]) for t in tries], settings, False)
+        rows = [_trial(0, "neighbour", t, [], result) for t in tries]
+        measured = {**measured, "neighbours": [
+            {"applied": r.candidate, "speedup": r.speedup, "ci_low": r.ci_low, "ci_high": r.ci_high,
+             "verdict": r.verdict} for r in rows
+        ]}  # fmt: skip
+        faster = sorted((r for r in rows if r.verdict == FASTER), key=lambda r: -(r.speedup or 0.0))
+        if faster:
+            best = faster[0]
+            interval = f"({best.ci_low:.2f}-{best.ci_high:.2f})"
+            summary.notes.append(
+                f"--verify: {fix.id} at its advised value ({applied}) measured {measured['verdict']}; "
+                f"{best.candidate} measured {best.speedup:.2f}x {interval} faster: use that."
+            )
+        else:
+            summary.notes.append(
+                f"--verify: {fix.id}: none of the values around its advice ({', '.join(tries)}) measured faster either."
+            )
+        summary.fixes[index] = dataclasses.replace(fix, measured=measured)
+        if result.stopped:
+            summary.notes.append(f"--verify: {result.stopped}")
+            break
 
 
 def keep_lines(arguments: list[str]) -> list[str]:

@@ -4,6 +4,10 @@ combination against the baseline and how to keep it. Plain ASCII when the output
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from rich import box
@@ -24,22 +28,21 @@ def _interval(low: float | None, high: float | None) -> str:
 
 
 def trial_table(result: TuneResult, ascii_only: bool = False) -> Table:
-    """One row per trial, in the order they ran."""
+    """One row per trial, in the order they ran; the setting last, whole (it is what ``--apply`` takes)."""
     table = Table(
         box=_ASCII_HEAD if ascii_only else box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1)
     )
     table.add_column("round", justify="right", no_wrap=True)
     table.add_column("stage", no_wrap=True)
-    table.add_column("setting")
     for header in ("steps/s", "speedup", "95% CI"):
         table.add_column(header, justify="right", no_wrap=True)
-    table.add_column("outcome")
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("setting", overflow="fold")
     for t in result.trials:
-        outcome = f"kept: {t.reason}" if t.kept else t.reason or t.verdict
         table.add_row(
-            str(t.round), t.stage, escape(terminal_safe(t.candidate)), _number(t.steps_per_s),
-            "-" if t.speedup is None else f"{t.speedup:.2f}x", _interval(t.ci_low, t.ci_high),
-            escape(terminal_safe(outcome)),
+            str(t.round), t.stage, _number(t.steps_per_s), "-" if t.speedup is None else f"{t.speedup:.2f}x",
+            _interval(t.ci_low, t.ci_high), escape(terminal_safe(t.reason or t.verdict)),
+            escape(terminal_safe(t.candidate)),
         )  # fmt: skip
     return table
 
@@ -59,8 +62,8 @@ def print_tune(result: TuneResult | None, summary: RunSummary, command: list[str
     if result is None:
         say("nothing was searched.")
         return
-    say(f"baseline: {_number(result.baseline_steps_per_s)} steps/s · {result.rounds} round(s) · speedups against the "
-        "best so far (> 1: faster); kept only when the 95% interval says faster")  # fmt: skip
+    say(f"baseline: {_number(result.baseline_steps_per_s)} steps/s · {result.rounds} round(s) · speedup: against the "
+        "best so far (> 1: faster) · kept: the fastest whose 95% interval lies above 1 in full runs")  # fmt: skip
     if result.trials:
         console.print(trial_table(result, ascii_only=_plain(console)))
     for note in result.notes:
@@ -78,3 +81,25 @@ def print_tune(result: TuneResult | None, summary: RunSummary, command: list[str
     say("keep it in the script:")
     for line in result.keep:
         say(f"  {line}")
+
+
+@contextlib.contextmanager
+def progress(budget_s: float, started: float, file: IO[str] | None = None) -> Iterator[Callable[[str], None]]:
+    """A ``log`` for the search. On a terminal: the round lines stay, and one live status line below them shows the
+    latest run and the time spent of the budget. Elsewhere (a log file, CI): every line as it comes."""
+    file = file or sys.stderr
+    if not (hasattr(file, "isatty") and file.isatty()):
+        yield lambda line: print(terminal_safe(line), file=file, flush=True)
+        return
+    from rich.console import Console
+
+    console = Console(file=file, highlight=False)
+    with console.status("stepscope tune: starting") as status:
+
+        def log(line: str) -> None:
+            spent = time.monotonic() - started
+            if line.startswith("stepscope tune:"):
+                console.print(terminal_safe(line), markup=False)
+            status.update(escape(terminal_safe(f"{line.strip()} · {spent:.0f} s of {budget_s:g} s")))
+
+        yield log
