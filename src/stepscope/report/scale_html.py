@@ -15,7 +15,7 @@ from stepscope.analyses.scale import ScaleGroup, ScaleReport
 from stepscope.report.scale import config_rows, scaling_words
 from stepscope.report.svg import esc, line_chart
 
-_CSS = """
+PAGE_CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222; margin: 2em auto;
        max-width: 860px; padding: 0 1em; }
 h1 { font-size: 1.5em; margin-bottom: .2em; } h2 { font-size: 1.2em; margin-top: 2em; }
@@ -118,7 +118,7 @@ def scale_html(report: ScaleReport) -> str:
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-        f"<title>stepscope scale</title><style>{_CSS}</style></head><body>"
+        f"<title>stepscope scale</title><style>{PAGE_CSS}</style></head><body>"
         f"<h1>stepscope scale</h1><p class='sub'>{esc(f'stepscope {__version__}{by}')}</p>"
         f"{groups}{notes_html}</body></html>\n"
     )

@@ -179,6 +179,63 @@ def bars(
     return "".join(parts)
 
 
+def interval_chart(
+    labels: Sequence[str],
+    values: Sequence[float | None],
+    intervals: Sequence[tuple[float, float] | None],
+    *,
+    reference: float = 1.0,
+    colors: Sequence[str] | None = None,
+    width: int = 1000,
+    title: str = "",
+) -> str:
+    """A point with its interval per label (a forest plot) on one linear axis that spans them and ``reference``,
+    drawn as a vertical line (1.0: no change, for speedups); a label whose value is None gets no point. Returns ""
+    when there is nothing to draw."""
+    known = [v for v in values if v is not None] + [x for i in intervals if i is not None for x in i]
+    if not labels or not known:
+        return ""
+    palette = list(colors or PALETTE)
+    row_h = 22
+    left = _label_width(labels)
+    right_px = 90  # the value's text after the axis
+    ticks = nice_ticks(min(*known, reference), max(*known, reference))
+    lo, hi = ticks[0], ticks[-1]
+    plot_w = width - left - right_px
+    height = 8 + len(labels) * row_h + 28
+
+    def x(value: float) -> float:
+        return left + (value - lo) / (hi - lo) * plot_w
+
+    parts = [_svg_open(width, height, title)]
+    bottom = 8 + len(labels) * row_h
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    for tick in ticks:
+        parts.append(_line(x(tick), 8, x(tick), bottom, GRID_COLOR))
+        parts.append(_text(x(tick), bottom + 16, tick_text(tick, step), "middle", fill=AXIS_COLOR))
+    parts.append(_line(x(reference), 4, x(reference), bottom, AXIS_COLOR))
+    for i, (label, value, interval) in enumerate(zip(labels, values, intervals, strict=True)):
+        y = 8 + i * row_h + row_h / 2
+        color = palette[i % len(palette)]
+        parts.append(_text(left - 8, y + 4, _shorten(label, LABEL_MAX_PX), "end", full=label))
+        if value is None:
+            parts.append(_text(left + 4, y + 4, "not measured", "start", fill=AXIS_COLOR))
+            continue
+        text = fmt_number(value) + (f" ({fmt_number(interval[0])}–{fmt_number(interval[1])})" if interval else "")
+        if interval is not None:
+            parts.append(
+                f'<line x1="{_n(x(interval[0]))}" y1="{_n(y)}" x2="{_n(x(interval[1]))}" y2="{_n(y)}" '
+                f'stroke="{color}" stroke-width="3"/>'
+            )
+        parts.append(
+            f'<circle cx="{_n(x(value))}" cy="{_n(y)}" r="5" fill="{color}"><title>{esc(f"{label}: {text}")}</title>'
+            "</circle>"
+        )
+        parts.append(_text(width - right_px + 8, y + 4, fmt_number(value), "start"))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def line_chart(
     series: Sequence[Series],
     *,
