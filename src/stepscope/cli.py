@@ -30,8 +30,8 @@ RUN_USAGE = "stepscope run [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] |
 PARAMS_USAGE = "stepscope params [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 DOCTOR_USAGE = "stepscope doctor [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 TUNE_USAGE = (
-    "stepscope tune [--budget-s S] [--allow-numerics] [--json PATH] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | "
-    "-- COMMAND [ARGS...]"
+    "stepscope tune [--budget-s S] [--allow-numerics] [--json PATH] [--html PATH] SCRIPT.py [ARGS...] | "
+    "-m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 )
 LOADER_USAGE = "stepscope dataloader [OPTIONS] SCRIPT.py [ARGS...] | -m MODULE [ARGS...] | -- COMMAND [ARGS...]"
 # Options of the verbs that run a script and take a value: the script's own arguments start after them.
@@ -458,11 +458,18 @@ def _doctor(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace, target: Any, summary: RunSummary) -> None:
     """``doctor --verify N``: measure the top N appliable fixes against the baseline, interleaved (see verify.py)."""
     from stepscope.analyses.ab import Settings
+    from stepscope.instrument.launch import stop_requested
+    from stepscope.instrument.tune import verify_neighbours
     from stepscope.instrument.verify import plan, verify
 
+    started = time.monotonic()
     chosen = plan(summary.fixes, args.verify, args.allow_numerics)
     settings = Settings(repeats=args.verify_repeats, steps=args.steps, warmup=args.warmup)
-    verify(target, summary, chosen, settings, args.verify_budget_s, run_timeout_s=args.run_timeout_s)
+    result = verify(target, summary, chosen, settings, args.verify_budget_s, run_timeout_s=args.run_timeout_s)
+    left_s = args.verify_budget_s - (time.monotonic() - started)
+    if result is not None and not result.stopped and not stop_requested() and left_s > 0:
+        # An advised count that measured no faster: its neighbouring values, so the flag says what does work.
+        verify_neighbours(target, summary, settings, left_s, run_timeout_s=args.run_timeout_s)
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -479,7 +486,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     target = _target(args.command, TUNE_USAGE)
     lint, notes = lint_script(script_path(target.argv[1:]))
-    _check_outputs(args, json="tune results")
+    _check_outputs(args, json="tune results", html="tune page")
     config = RunConfig(
         out_dir="",
         warmup=args.warmup,
@@ -519,6 +526,10 @@ def _tune(args: argparse.Namespace) -> int:
     written: list[str] = []
     if args.json and result is not None:
         _write_json(args.json, result.to_dict(), "tune results", written)
+    if args.html and result is not None:
+        from stepscope.report.tune_html import write_tune_html
+
+        _save("--html", args.html, "tune page", lambda path: write_tune_html(result, args.command, path), written)
     _print_report(print_tune, result, summary, args.command, written=written)
     return _stopped_code(0 if result is not None else (code or 1))
 
@@ -1030,6 +1041,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also try settings that change numerics (bf16, TF32): their runs compute a slightly different model",
     )
     tune.add_argument("--json", metavar="PATH", help="write the baseline, the trials and the best combination here")
+    tune.add_argument("--html", metavar="PATH", help="write the search as a self-contained HTML page (trials charted)")
     tune.add_argument("--run-timeout-s", type=_positive_seconds, help=RUN_TIMEOUT_HELP)
     tune.set_defaults(func=_tune)
 
