@@ -482,7 +482,7 @@ def _tune(args: argparse.Namespace) -> int:
     from stepscope.instrument.launch import STOPPED_REASONS, ignore_stops, run, stop_requested
     from stepscope.instrument.tracker import RunConfig
     from stepscope.instrument.tune import Search, search
-    from stepscope.report.tune import print_tune
+    from stepscope.report.tune import print_tune, progress
 
     target = _target(args.command, TUNE_USAGE)
     lint, notes = lint_script(script_path(target.argv[1:]))
@@ -521,7 +521,8 @@ def _tune(args: argparse.Namespace) -> int:
         result = None
         print(f"stepscope: tune has nothing to search from: {_no_baseline(code, summary)}", file=sys.stderr)
     else:
-        result = search(plan, summary)
+        with progress(args.budget_s, started) as plan.log:
+            result = search(plan, summary)
     ignore_stops()  # what is left is the report
     written: list[str] = []
     if args.json and result is not None:

@@ -319,18 +319,17 @@ def _runners_up(trials: list[Trial], winner: Trial) -> list[Trial]:
     return [t for t in behind + beaten if not _ids(t.candidate) & ids]
 
 
-def _promoted(screened: list[Trial]) -> list[Trial]:
-    """The fastest third of the screened candidates (at least one) that read faster than the best so far; the
-    others are rejected with the reason."""
+def _batches(screened: list[Trial]) -> list[list[Trial]]:
+    """The screened candidates that read faster than the best so far, fastest first, in thirds of the screened
+    (at least one each): the first third goes to full runs, the next only when none of those measures faster.
+    The others are rejected with the reason."""
     ahead = [t for t in screened if t.verdict != SLOWER and (t.speedup or 0.0) > SCREEN_LEAD]
     ahead.sort(key=lambda t: -(t.speedup or 0.0))
-    chosen = ahead[: max(1, math.ceil(len(screened) * PROMOTE_SHARE))] if ahead else []
+    size = max(1, math.ceil(len(screened) * PROMOTE_SHARE))
     for trial in screened:
-        if any(trial is c for c in chosen):
-            trial.reason = "promoted"
-        elif not trial.reason:
+        if not trial.reason:
             trial.reason = "behind the fastest third" if trial in ahead else _worse(trial.verdict)
-    return chosen
+    return [ahead[i : i + size] for i in range(0, len(ahead), size)]
 
 
 def search(plan: Search, summary: RunSummary) -> TuneResult:
@@ -358,31 +357,43 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
         round_ = result.rounds
         tried.update(found)
         base = plan.variant(BASELINE if not best else "best", best)
-        promoted, screened = found, []
+        batches, screened = [found], []
         if len(found) > 1:  # successive halving: one candidate goes straight to full runs
             plan.log(f"stepscope tune: round {round_}: screening {len(found)} setting(s): {', '.join(found)}")
             screened_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in found], screen)
             screened = [_trial(round_, "screen", c, best, screened_ab) for c in found]
             result.trials += screened
-            promoted = [t.candidate for t in _promoted(screened)]
+            ranked = _batches(screened)
+            batches = [[t.candidate for t in batch] for batch in ranked]
             if screened_ab.stopped:
                 result.stopped = screened_ab.stopped
                 break
-            if not promoted:
+            if not batches:
                 result.notes.append(f"round {round_}: no setting read faster than the best so far when screened.")
                 break
-        plan.log(f"stepscope tune: round {round_}: full runs of {', '.join(promoted)}")
-        confirm_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in promoted], plan.settings)
-        confirmed = [_trial(round_, "confirm", c, best, confirm_ab) for c in promoted]
+        confirmed, faster, stopped = [], [], None
+        for promoted in batches:  # the next third only when none of the one before measured faster
+            for trial in screened:
+                if trial.candidate in promoted:
+                    trial.reason = "promoted"
+            plan.log(f"stepscope tune: round {round_}: full runs of {', '.join(promoted)}")
+            # Each of k settings compared at 1 - 0.05/k: the chance that any of them reads faster by luck stays 5%.
+            family = dataclasses.replace(plan.settings, confidence=1 - (1 - plan.settings.confidence) / len(promoted))
+            confirm_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in promoted], family)
+            batch_confirmed = [_trial(round_, "confirm", c, best, confirm_ab) for c in promoted]
+            confirmed += batch_confirmed
+            faster = sorted((t for t in batch_confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
+            stopped = confirm_ab.stopped
+            if faster or stopped or plan.left_s() <= 0:
+                break
         result.trials += confirmed
-        faster = sorted((t for t in confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
         for trial in confirmed:
             if not faster or trial is not _simplest(faster):
                 kept_other = "faster; a faster one kept"
                 trial.reason = trial.reason or (kept_other if trial.verdict == FASTER else _worse(trial.verdict))
         if not faster:
-            if confirm_ab.stopped:
-                result.stopped = confirm_ab.stopped
+            if stopped:
+                result.stopped = stopped
             else:
                 result.notes.append(f"round {round_}: no setting measured faster than the best so far in full runs.")
             break
@@ -393,8 +404,8 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
         # What read faster but lost to the winner is tried again on top of it, unless it sets the same knob.
         tried -= {t.candidate for t in _runners_up(screened + confirmed, winner)}
         plan.log(f"stepscope tune: kept {winner.candidate} ({winner.speedup:.2f}x); the doctor runs again on it")
-        if confirm_ab.stopped or plan.left_s() <= 0:
-            result.stopped = confirm_ab.stopped or f"the budget of {plan.budget_s:g} s ran out after round {round_}."
+        if stopped or plan.left_s() <= 0:
+            result.stopped = stopped or f"the budget of {plan.budget_s:g} s ran out after round {round_}."
             break
         summary = plan.diagnose(best)
     result.best_apply = best
