@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stepscope.analyses.ab import FASTER, SLOWER, RunFigures, Settings, ab_result, variant_result
+from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, RunFigures, Settings, ab_result, variant_result
 from stepscope.instrument.apply import parse_fixes
 from stepscope.instrument.launch import script_target
 from stepscope.instrument.tune import Search, candidates, keep_lines, neighbours, run_line, search, verify_neighbours
@@ -37,12 +37,17 @@ STEP_MS = {(0, 2): 11.0, (1, 2): 14.5, (2, 2): 11.0, (4, 2): 12.5, (0, 1): 13.0,
 
 
 def model_runner(
-    step_ms: dict[tuple[int, int], float], calls: list[list[str]], prefetch_ms: float = 0.0, ms=None, lucky=()
+    step_ms: dict[tuple[int, int], float],
+    calls: list[list[str]],
+    prefetch_ms: float = 0.0,
+    ms=None,
+    lucky=(),
+    noisy=(),
 ):
     """An A/B runner for a machine whose step time per (workers, threads) is ``step_ms`` (12 ms elsewhere), less
     ``prefetch_ms`` with loader.prefetch and workers (or ``ms(apply)``), with 2% noise per step and 1% per run;
-    the variants named in ``lucky`` read 30% faster in screening runs (2 a side) only. ``calls`` records the
-    variants of each A/B."""
+    the variants named in ``lucky`` read 30% faster in screening runs (2 a side) only, those in ``noisy`` vary 20%
+    from run to run in 3-run A/Bs. ``calls`` records the variants of each A/B."""
     rng = random.Random(7)
 
     def table_ms(apply: list[dict]) -> float:
@@ -58,7 +63,8 @@ def model_runner(
         for order in range(1, settings.repeats * len(variants) + 1):
             variant = variants[(order - 1) % len(variants)]
             luck = 0.7 if variant.name in lucky and settings.repeats == 2 else 1.0
-            sec = ms(variant.apply) * luck / 1e3 * rng.lognormvariate(0, 0.01)
+            run_sd = 0.2 if variant.name in noisy and settings.repeats == 3 else 0.01
+            sec = ms(variant.apply) * luck / 1e3 * rng.lognormvariate(0, run_sd)
             steps = [sec * rng.lognormvariate(0, 0.02) for _ in range(settings.steps)]
             figures = RunFigures(
                 order=order, exit_code=0, exit_reason="stopped", measured_steps=len(steps),
@@ -208,6 +214,25 @@ def test_when_the_fastest_third_measures_no_faster_the_next_third_gets_full_runs
     assert sorted(calls[1]) == ["baseline", "optimizer.foreach", "optimizer.fused"]  # the fastest third, full runs
     assert calls[2] == ["baseline", "debug.anomaly=off"]  # none faster: the next third
     assert result.best_apply == ["debug.anomaly=off"] and result.ci_low > 1
+
+
+def test_a_setting_that_reads_faster_without_proof_gets_twice_the_runs():
+    # Anomaly mode off saves 10%, but its 3-run A/B is too noisy to tell; 6 runs tell.
+    summary = diagnosis(0, 2)
+    summary.loaders = []
+    summary.fixes = [Fix("debug.anomaly", "Anomaly off", "", [], "", "config", 0.15, apply="debug.anomaly=off")]
+
+    def ms(apply: list[dict]) -> float:
+        return 18.0 if any(f["id"] == "debug.anomaly" for f in apply) else 20.0
+
+    calls: list[list[str]] = []
+    plan, _ = _plan(model_runner({}, calls, ms=ms, noisy=("debug.anomaly=off",)))
+    plan.diagnose = lambda arguments: summary
+    result = search(plan, summary)
+    stages = [(t.stage, t.verdict, t.reason) for t in result.trials if t.candidate == "debug.anomaly=off"]
+    assert stages[1][:2] == ("confirm", NO_DIFFERENCE) and stages[1][2] == "unsure: more runs", stages
+    assert stages[2][:2] == ("more runs", FASTER), stages
+    assert result.best_apply == ["debug.anomaly=off"]
 
 
 def test_nothing_faster_keeps_the_script_as_it_is():

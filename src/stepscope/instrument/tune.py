@@ -73,7 +73,7 @@ class Trial:
     """One candidate measured against the best combination so far."""
 
     round: int
-    stage: str  # "screen" (short runs) or "confirm" (full runs)
+    stage: str  # "screen" (2 runs a side), "confirm" (--repeats a side) or "more runs" (twice that, when unsure)
     candidate: str  # the setting(s) the trial adds to the best so far, as ``--apply`` takes them
     apply: list[str]  # every setting of the trial
     steps_per_s: float | None
@@ -315,7 +315,7 @@ def _runners_up(trials: list[Trial], winner: Trial) -> list[Trial]:
     screened, or faster and beaten in full runs), other than those that set a knob the winner sets."""
     ids = _ids(winner.candidate)
     behind = [t for t in trials if t.reason == "behind the fastest third"]
-    beaten = [t for t in trials if t.stage == "confirm" and t.verdict == FASTER and t is not winner]
+    beaten = [t for t in trials if t.stage != "screen" and t.verdict == FASTER and t.candidate != winner.candidate]
     return [t for t in behind + beaten if not _ids(t.candidate) & ids]
 
 
@@ -381,9 +381,19 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
             family = dataclasses.replace(plan.settings, confidence=1 - (1 - plan.settings.confidence) / len(promoted))
             confirm_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in promoted], family)
             batch_confirmed = [_trial(round_, "confirm", c, best, confirm_ab) for c in promoted]
+            stopped = confirm_ab.stopped
+            unsure = [t for t in batch_confirmed if t.verdict == NO_DIFFERENCE and (t.speedup or 0.0) > SCREEN_LEAD]
+            if unsure and not any(t.verdict == FASTER for t in batch_confirmed) and not stopped and plan.left_s() > 0:
+                # Successive halving's last step: the survivor that read faster without proof gets twice the runs.
+                lead = max(unsure, key=lambda t: t.speedup or 0.0)
+                lead.reason = "unsure: more runs"
+                plan.log(f"stepscope tune: round {round_}: {2 * plan.settings.repeats} more runs of {lead.candidate}")
+                more = dataclasses.replace(plan.settings, repeats=2 * plan.settings.repeats)
+                again_ab = plan.ab([base, plan.variant(lead.candidate, _combined(best, lead.candidate))], more)
+                batch_confirmed.append(_trial(round_, "more runs", lead.candidate, best, again_ab))
+                stopped = again_ab.stopped
             confirmed += batch_confirmed
             faster = sorted((t for t in batch_confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
-            stopped = confirm_ab.stopped
             if faster or stopped or plan.left_s() <= 0:
                 break
         result.trials += confirmed
