@@ -235,6 +235,37 @@ def test_a_setting_that_reads_faster_without_proof_gets_twice_the_runs():
     assert result.best_apply == ["debug.anomaly=off"]
 
 
+def test_a_worker_count_that_lost_is_tried_again_once_another_knob_moved_the_bound():
+    # One worker keeps up while Adam's per-parameter loop is the step (17 ms); once foreach makes it 11 ms, one
+    # worker (12 ms a batch) is the bound again, and two workers, which lost in round 1, win.
+    summary = diagnosis(0, 2)
+    summary.phases["optimizer"] = PhaseStats(7.0, 7.0, 7.5, 0.3, 100)
+
+    def ms(apply: list[dict]) -> float:
+        chosen = {f["id"]: f["value"] for f in apply}
+        workers = chosen.get(WORKERS, 0)
+        compute = 10.0 + (1.0 if chosen.get("optimizer.foreach") else 7.0) + 0.3 * workers
+        return 9.0 + compute if workers == 0 else max(12.0 / workers, compute)
+
+    calls: list[list[str]] = []
+    plan, _ = _plan(model_runner({}, calls, ms=ms))
+
+    def diagnose(arguments: list[str]) -> RunSummary:
+        again = diagnosis(*_settings_of(parse_fixes(arguments)))
+        again.phases["optimizer"] = summary.phases["optimizer"]
+        return again
+
+    plan.diagnose = diagnose
+    result = search(plan, summary)
+    kept = [t.candidate for t in result.trials if t.kept]
+    assert kept == [
+        f"{WORKERS}=1,loader.persistent_workers",
+        "optimizer.foreach",
+        f"{WORKERS}=2,loader.persistent_workers",
+    ]
+    assert result.speedup == pytest.approx(26.0 / 11.6, rel=0.03)
+
+
 def test_nothing_faster_keeps_the_script_as_it_is():
     flat = dict.fromkeys(STEP_MS, 11.0)
     calls: list[list[str]] = []

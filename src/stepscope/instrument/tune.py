@@ -310,13 +310,12 @@ def _simplest(faster: list[Trial]) -> Trial:
     return min(tied, key=lambda t: (len(parse_fixes([t.candidate])), -(t.speedup or 0.0)))
 
 
-def _runners_up(trials: list[Trial], winner: Trial) -> list[Trial]:
-    """The round's trials that read faster than the best so far but were not kept (behind the fastest third when
-    screened, or faster and beaten in full runs), other than those that set a knob the winner sets."""
-    ids = _ids(winner.candidate)
+def _runners_up(trials: list[Trial], winner: Trial) -> list[str]:
+    """The round's settings that read faster than the best so far but were not kept (behind the fastest third when
+    screened, or faster and beaten in full runs)."""
     behind = [t for t in trials if t.reason == "behind the fastest third"]
-    beaten = [t for t in trials if t.stage != "screen" and t.verdict == FASTER and t.candidate != winner.candidate]
-    return [t for t in behind + beaten if not _ids(t.candidate) & ids]
+    beaten = [t for t in trials if t.stage != "screen" and t.verdict == FASTER]
+    return sorted({t.candidate for t in behind + beaten} - {winner.candidate})
 
 
 def _batches(screened: list[Trial]) -> list[list[Trial]]:
@@ -341,6 +340,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
     threads = summary.facts.get("threads", {}).get("torch_threads")
     tried = {f"host.threads={threads}"}  # the script's own thread count is the baseline's: measured already
     headline: Trial | None = None  # the kept trial of round 1, measured against the baseline itself
+    waiting: list[str] = []  # runners-up of a kept knob, tried again once another knob is kept
     screen = dataclasses.replace(plan.settings, repeats=SCREEN_REPEATS, steps=screen_steps(plan.settings, summary))
     while True:
         found = [c for c in candidates(summary, best, plan.allow_numerics) if c not in tried]
@@ -411,8 +411,18 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
         winner.kept, winner.reason = True, "kept"
         headline = winner if not best else None
         best = _combined(best, winner.candidate)
-        # What read faster but lost to the winner is tried again on top of it, unless it sets the same knob.
-        tried -= {t.candidate for t in _runners_up(screened + confirmed, winner)}
+        # What read faster but lost to the winner is tried again on top of it. One that sets the winner's own knob
+        # (another worker count) just lost in the same setting: it is tried again once another knob has changed,
+        # since the bound may have moved back to it.
+        knob = _ids(winner.candidate)
+        for candidate in [c for c in waiting if not _ids(c) & knob]:
+            tried.discard(candidate)
+            waiting.remove(candidate)
+        for candidate in _runners_up(screened + confirmed, winner):
+            if _ids(candidate) & knob:
+                waiting.append(candidate)
+            else:
+                tried.discard(candidate)
         plan.log(f"stepscope tune: kept {winner.candidate} ({winner.speedup:.2f}x); the doctor runs again on it")
         if stopped or plan.left_s() <= 0:
             result.stopped = stopped or f"the budget of {plan.budget_s:g} s ran out after round {round_}."
