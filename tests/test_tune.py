@@ -414,5 +414,5 @@ def test_tune_finds_the_thread_count_of_a_real_script(tmp_path):
     script = SCRIPTS / "threads_sleep.py"
     assert f"stepscope run --apply host.threads=1 {script} --ms-per-thread 6" in done.stdout, done.stdout
     assert "torch.set_num_threads(1)" in done.stdout
-    assert "round 1: full runs of host.threads=1" in done.stderr, done.stderr
+    assert "stepscope tune: round 1: " in done.stderr and "full runs of" in done.stderr, done.stderr
     assert "<svg" in (tmp_path / "tune.html").read_text() and "tune page written to" in done.stdout
