@@ -123,7 +123,7 @@ class TuneResult:
 
 
 def _ids(argument: str) -> set[str]:
-    """The fixes a setting is about: a candidate replaces every setting of the best that shares one."""
+    """The fix ids a setting (one ``--apply`` argument, maybe several settings joined by commas) sets."""
     return {fix["id"] for fix in parse_fixes([argument])}
 
 
