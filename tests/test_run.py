@@ -160,8 +160,13 @@ def test_slow_loader_is_data_bound(tmp_path):
     assert s.verdict.evidence, r.describe()
     assert any("data_wait" in e and re.search(r"\d+%", e) for e in s.verdict.evidence), s.verdict.evidence
     data = s.phases["data_wait"]
-    # 8 samples x 3 ms of sleep per batch; sleeping never undershoots.
-    assert 24 * 0.98 <= data.mean_ms <= 24 * 1.4, f"data_wait {data}\n{r.describe()}"
+    # 8 samples x 3 ms of sleep per batch; sleeping never undershoots. Each of the 8 wake-ups waits for a CPU on a
+    # busy machine (52 ms a batch beside a busy loop per core): the upper bound holds where the run saw no
+    # contention for the CPU.
+    from stepscope.collectors.signals import derive_signals
+
+    contended = any(signal["id"] == "cpu_contention" for signal in derive_signals(s.system or {}))
+    assert 24 * 0.98 <= data.mean_ms <= 24 * (3.0 if contended else 1.4), f"data_wait {data}\n{r.describe()}"
     assert data.share > 0.7, f"data_wait {data}\n{r.describe()}"
     total_ms = s.phases["total"].mean_ms
     assert s.throughput.samples_per_s == pytest.approx(8 / (total_ms / 1e3), rel=0.02), s.throughput
