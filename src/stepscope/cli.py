@@ -497,21 +497,20 @@ def _tune(args: argparse.Namespace) -> int:
         ceiling_batches=100,
     )
 
-    def diagnose(arguments: list[str]) -> RunSummary:
-        _, summary = run(target, dataclasses.replace(config, apply=parse_fixes(arguments)), more_runs=True)
+    def diagnosed(arguments: list[str]) -> tuple[int, RunSummary]:
+        code, summary = run(target, dataclasses.replace(config, apply=parse_fixes(arguments)), more_runs=True)
+        summary.notes += notes
         examine(summary, lint)
-        return summary
+        return code, summary
 
     started = time.monotonic()  # the budget counts the doctor's first run too
-    code, summary = run(target, config, more_runs=True)
-    summary.notes += notes
-    examine(summary, lint)
+    code, summary = diagnosed([])
     plan = Search(
         target=target,
         settings=Settings(repeats=args.repeats, steps=args.steps, warmup=args.warmup),
         budget_s=args.budget_s,
         allow_numerics=args.allow_numerics,
-        diagnose=diagnose,
+        diagnose=lambda arguments: diagnosed(arguments)[1],
         run_timeout_s=args.run_timeout_s,
         started=started,
     )

@@ -30,7 +30,7 @@ from typing import Any
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, Settings, VariantResult
 from stepscope.instrument.ab import Variant, run_ab
-from stepscope.instrument.apply import ApplyError, describe, parse_fixes, worker_limit
+from stepscope.instrument.apply import ALIASES, ApplyError, describe, parse_fixes, worker_limit
 from stepscope.instrument.launch import Target
 from stepscope.instrument.verify import apply_argument, queue_steps
 from stepscope.summary import RunSummary
@@ -123,8 +123,9 @@ class TuneResult:
 
 
 def _ids(argument: str) -> set[str]:
-    """The fix ids a setting (one ``--apply`` argument, maybe several settings joined by commas) sets."""
-    return {fix["id"] for fix in parse_fixes([argument])}
+    """The fix ids a setting (one ``--apply`` argument, maybe several settings joined by commas) sets. Read from
+    the names alone: parsing the values would read the machine's worker bound for every comparison."""
+    return {ALIASES.get(name, name) for name in (part.partition("=")[0].strip() for part in argument.split(","))}
 
 
 def _combined(best: list[str], candidate: str | None = None) -> list[str]:
@@ -499,8 +500,9 @@ def verify_neighbours(
     """For each verified count fix whose advised value measured no faster or slower, measure its neighbouring
     values against the baseline (one A/B each, within ``budget_s`` in all), so that the flag comes with what does
     work: ``measured["neighbours"]`` and a note name the fastest neighbour measured faster, or say none was."""
-    plan = Search(target, settings, budget_s, False, diagnose=lambda _: summary, run_timeout_s=run_timeout_s, log=log)
-    plan.runner = runner
+    plan = Search(
+        target, settings, budget_s, False, lambda _: summary, run_timeout_s=run_timeout_s, log=log, runner=runner
+    )
     for index, fix in enumerate(summary.fixes):
         measured = fix.measured
         if not measured or measured["verdict"] == FASTER or plan.left_s(reserve=False) <= 0:

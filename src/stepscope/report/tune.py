@@ -19,11 +19,13 @@ from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_sa
 from stepscope.summary import RunSummary
 
 
-def _number(value: float | None, digits: int = 2) -> str:
+def number_text(value: float | None, digits: int = 2) -> str:
+    """A figure with thousands separators, or "-" when unknown."""
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def _interval(low: float | None, high: float | None) -> str:
+def interval_text(low: float | None, high: float | None) -> str:
+    """An interval as "1.20–1.62", or "-" when there is none."""
     return "-" if low is None or high is None else f"{low:.2f}–{high:.2f}"
 
 
@@ -40,8 +42,8 @@ def trial_table(result: TuneResult, ascii_only: bool = False) -> Table:
     table.add_column("setting", overflow="fold")
     for t in result.trials:
         table.add_row(
-            str(t.round), t.stage, _number(t.steps_per_s), "-" if t.speedup is None else f"{t.speedup:.2f}x",
-            _interval(t.ci_low, t.ci_high), escape(terminal_safe(t.reason or t.verdict)),
+            str(t.round), t.stage, number_text(t.steps_per_s), "-" if t.speedup is None else f"{t.speedup:.2f}x",
+            interval_text(t.ci_low, t.ci_high), escape(terminal_safe(t.reason or t.verdict)),
             escape(terminal_safe(t.candidate)),
         )  # fmt: skip
     return table
@@ -62,8 +64,9 @@ def print_tune(result: TuneResult | None, summary: RunSummary, command: list[str
     if result is None:
         say("nothing was searched.")
         return
-    say(f"baseline: {_number(result.baseline_steps_per_s)} steps/s · {result.rounds} round(s) · speedup: against the "
-        "best so far (> 1: faster) · kept: the fastest whose 95% interval lies above 1 in full runs")  # fmt: skip
+    baseline = number_text(result.baseline_steps_per_s)
+    say(f"baseline: {baseline} steps/s · {result.rounds} round(s) · speedup: against the best so far (> 1: faster) "
+        "· kept: the fastest whose 95% interval lies above 1 in full runs")  # fmt: skip
     if result.trials:
         console.print(trial_table(result, ascii_only=_plain(console)))
     for note in result.notes:
@@ -74,8 +77,8 @@ def print_tune(result: TuneResult | None, summary: RunSummary, command: list[str
         say("best: the script as it is; no setting measured faster.")
         return
     say(
-        f"best: {', '.join(result.best_apply)} · {_number(result.best_steps_per_s)} steps/s · "
-        f"{_number(result.speedup)}x the baseline (95% CI {_interval(result.ci_low, result.ci_high)})"
+        f"best: {', '.join(result.best_apply)} · {number_text(result.best_steps_per_s)} steps/s · "
+        f"{number_text(result.speedup)}x the baseline (95% CI {interval_text(result.ci_low, result.ci_high)})"
     )
     say(f"run it:  {run_line(result.best_apply, command)}")
     say("keep it in the script:")

@@ -13,6 +13,7 @@ from stepscope import __version__
 from stepscope.instrument.tune import Trial, TuneResult, run_line
 from stepscope.report.scale_html import PAGE_CSS
 from stepscope.report.svg import esc, interval_chart
+from stepscope.report.tune import interval_text, number_text
 
 KEPT, PROMOTED, REJECTED, SLOWER_COLOR = "#59a14f", "#4e79a7", "#bab0ac", "#e15759"
 
@@ -25,17 +26,13 @@ def _color(trial: Trial) -> str:
     return SLOWER_COLOR if trial.reason == "slower" else REJECTED
 
 
-def _number(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def _table(result: TuneResult) -> str:
     head = "".join(f"<th>{h}</th>" for h in ("round", "stage", "setting", "steps/s", "speedup", "95% CI", "outcome"))
     rows = []
     for t in result.trials:
-        interval = "-" if t.ci_low is None or t.ci_high is None else f"{t.ci_low:.2f}–{t.ci_high:.2f}"
         speedup = "-" if t.speedup is None else f"{t.speedup:.2f}x"
-        cells = (str(t.round), t.stage, t.candidate, _number(t.steps_per_s), speedup, interval, t.reason or t.verdict)
+        rate, interval = number_text(t.steps_per_s), interval_text(t.ci_low, t.ci_high)
+        cells = (str(t.round), t.stage, t.candidate, rate, speedup, interval, t.reason or t.verdict)
         rows.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
@@ -43,10 +40,10 @@ def _table(result: TuneResult) -> str:
 def tune_html(result: TuneResult, command: list[str]) -> str:
     """The whole page."""
     if result.best_apply:
-        interval = "" if result.ci_low is None else f" (95% CI {result.ci_low:.2f}–{result.ci_high:.2f})"
+        interval = "" if result.ci_low is None else f" (95% CI {interval_text(result.ci_low, result.ci_high)})"
         headline = (
-            f"<p><b>best: {esc(', '.join(result.best_apply))}</b> · {_number(result.best_steps_per_s)} steps/s · "
-            f"{_number(result.speedup)}x the baseline{esc(interval)}</p>"
+            f"<p><b>best: {esc(', '.join(result.best_apply))}</b> · {number_text(result.best_steps_per_s)} steps/s · "
+            f"{number_text(result.speedup)}x the baseline{esc(interval)}</p>"
             f"<pre>{esc(run_line(result.best_apply, command))}</pre>"
             f"<h3>keep it in the script</h3><ul>{''.join(f'<li><code>{esc(k)}</code></li>' for k in result.keep)}</ul>"
         )
@@ -73,7 +70,7 @@ def tune_html(result: TuneResult, command: list[str]) -> str:
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>stepscope tune</title><style>{PAGE_CSS}</style></head><body>"
         f"<h1>stepscope tune</h1><p class='sub'>{esc(what)}</p>"
-        f"<p>baseline: {_number(result.baseline_steps_per_s)} steps/s · {result.rounds} round(s)</p>{headline}"
+        f"<p>baseline: {number_text(result.baseline_steps_per_s)} steps/s · {result.rounds} round(s)</p>{headline}"
         f"<h2>trials</h2>{legend}{chart}{_table(result)}{notes_html}</body></html>\n"
     )
 
