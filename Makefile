@@ -30,9 +30,11 @@ demo: $(VENV)/.base
 doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
-# Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves.
+# Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves. Each test
+# file runs whole on one worker, so a file's module-scoped fixtures start their training processes once: almost all
+# of the suite's time is those processes' start-up (torch and torch._dynamo, ~3 s of CPU each).
 test: $(VENV)/.installed lint chromium
-	$(PY) -m pytest -q -n 2 -m "not serial" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
 	$(PY) -m pytest -q -m serial --durations=5
 
 # The HTML report's render test loads the page in headless Chromium. Install Debian's when it is missing and
