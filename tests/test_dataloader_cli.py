@@ -102,18 +102,37 @@ def test_the_largest_built_loader_is_measured_even_when_a_smaller_one_is_iterate
     assert (head["index"], head["dataset_length"]) == (1, 4096), head
 
 
-def test_loader_option_picks_the_first_built(tmp_path):
-    r = stepscope_dataloader(tmp_path, "--loader", "0", script("loader_train_val.py"), batches=10, warmup=2)
+@pytest.fixture(scope="module")
+def val_loader_run(tmp_path_factory) -> LoaderRun:
+    """``--loader 0`` (the val loader, 256 samples: 16 batches of 16) asked for 60 batches, against a training run at
+    4000 samples/s. One run serves the tests of --loader, of a loader that ends early and of an input-bound
+    comparison: --against only compares the measured ceiling with the training rate afterwards."""
+    tmp = tmp_path_factory.mktemp("val_loader")
+    summary_path = tmp / "train.json"
+    RunSummary(throughput=Throughput(samples_per_s=4000.0)).to_json(summary_path)
+    return stepscope_dataloader(
+        tmp,
+        "--loader",
+        "0",
+        script("loader_train_val.py"),
+        batches=60,
+        warmup=2,
+        options=("--against", str(summary_path)),
+    )
+
+
+def test_loader_option_picks_the_first_built(val_loader_run):
+    r = val_loader_run
     assert r.returncode == 0, r.describe()
     assert TRAINED not in r.stdout, r.describe()
     head = r.data["ranks"][0]
     assert (head["index"], head["dataset_length"], head["built"]) == (0, 256, 2), head
-    assert r.data["loader"]["batches"] == 10
+    assert r.data["loader"]["batches"] == 14  # the val loader's 16 less the 2 of warm-up: all it has of the 60 asked
 
 
-def test_a_loader_that_ends_early_is_measured_and_says_so(tmp_path):
+def test_a_loader_that_ends_early_is_measured_and_says_so(val_loader_run):
     # The val loader has 256 / 16 = 16 batches: 2 of warm-up, then 14 of the 60 asked for.
-    r = stepscope_dataloader(tmp_path, "--loader", "0", script("loader_train_val.py"), batches=60, warmup=2)
+    r = val_loader_run
     assert r.returncode == 0, r.describe()
     loader = r.data["loader"]
     assert loader["batches"] == 14 and loader["ended_early"] is True, loader
@@ -181,21 +200,30 @@ def test_sweep_finds_that_workers_help(tmp_path):
 # -- against a training run ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("train_rate", "input_bound"), [(4000.0, True), (100.0, False)])
-def test_against_a_training_summary(tmp_path, train_rate, input_bound):
-    # 1 ms of CPU per sample: the loader's ceiling is at most ~1000 samples/s (at least ~750 on a noisy VM), so
-    # training at 4000 samples/s is input-bound and training at 100 samples/s is not.
-    summary_path = tmp_path / "train.json"
-    RunSummary(throughput=Throughput(samples_per_s=train_rate)).to_json(summary_path)
-    r = stepscope_dataloader(
-        tmp_path,
-        script("loader_train_val.py"),
-        "--sample-ms",
-        "1",
-        batches=15,
-        warmup=2,
-        options=("--against", str(summary_path)),
-    )
+@pytest.fixture(scope="module")
+def sweep_against_run(tmp_path_factory) -> LoaderRun:
+    """A sweep against a run that trained 100 samples/s waiting half its step for data: 5 ms per sample of its own
+    (40 ms per batch of 8). Loading in process (8 x 2 ms of sleep) adds 16 ms to that; a worker overlaps it."""
+    tmp = tmp_path_factory.mktemp("sweep_against")
+    summary_path = tmp / "train.json"
+    RunSummary(
+        throughput=Throughput(samples_per_s=100.0),
+        phases={"data_wait": PhaseStats(40.0, 40.0, 40.0, 0.5, 20), "total": PhaseStats(80.0, 80.0, 80.0, 1.0, 20)},
+    ).to_json(summary_path)
+    return stepscope_dataloader(
+        tmp, script("loader_train_val.py"), "--sleep", "--sample-ms", "2", "--batch-size", "8",
+        batches=15, warmup=2, options=("--sweep", "--budget-s", "20", "--against", str(summary_path)), timeout=180,
+    )  # fmt: skip
+
+
+# The comparison with the training rate needs no run of its own: it reads the measured ceiling of the val loader's
+# run (0.5 ms of CPU per sample: at most ~2000 samples/s, so training at 4000 samples/s is input-bound) and of the
+# sweep's (8 x 2 ms of sleep per batch of 8: ~500 samples/s whatever the load, so training at 100 samples/s is not).
+@pytest.mark.parametrize(
+    ("run", "train_rate", "input_bound"), [("val_loader_run", 4000.0, True), ("sweep_against_run", 100.0, False)]
+)
+def test_against_a_training_summary(request, run, train_rate, input_bound):
+    r = request.getfixturevalue(run)
     assert r.returncode == 0, r.describe()
     d = r.data
     against = d["against_training"]
@@ -207,18 +235,9 @@ def test_against_a_training_summary(tmp_path, train_rate, input_bound):
     assert "against training: training consumed" in r.text and verdict in r.text, r.describe()
 
 
-def test_against_a_training_summary_the_sweep_ranks_by_that_step(tmp_path):
-    # The run trained 100 samples/s waiting half its step for data: 5 ms per sample of its own (40 ms per batch of
-    # 8). Loading in process (8 x 2 ms of sleep) adds 16 ms to that; a worker overlaps it: ~1.4x, whatever the load.
-    summary_path = tmp_path / "train.json"
-    RunSummary(
-        throughput=Throughput(samples_per_s=100.0),
-        phases={"data_wait": PhaseStats(40.0, 40.0, 40.0, 0.5, 20), "total": PhaseStats(80.0, 80.0, 80.0, 1.0, 20)},
-    ).to_json(summary_path)
-    r = stepscope_dataloader(
-        tmp_path, script("loader_train_val.py"), "--sleep", "--sample-ms", "2", "--batch-size", "8",
-        batches=15, warmup=2, options=("--sweep", "--budget-s", "20", "--against", str(summary_path)), timeout=180,
-    )  # fmt: skip
+def test_against_a_training_summary_the_sweep_ranks_by_that_step(sweep_against_run):
+    # ~1.4x for a worker, whatever the load (see sweep_against_run).
+    r = sweep_against_run
     assert r.returncode == 0, r.describe()
     d = r.data
     assert d["trainer_ms_per_sample"] == pytest.approx(5.0), d
