@@ -361,19 +361,21 @@ def test_nvtx_without_cuda_is_refused_with_a_profile_window_too(tmp_path):
 # -- stepscope run --trace ----------------------------------------------------------------------------------------
 
 
-def test_run_trace_writes_one_rank_file_and_leaves_profiled_steps_out(tmp_path):
-    traces = tmp_path / "traces"
-    r = stepscope_run(
-        tmp_path,
-        "--trace",
-        str(traces),
-        "--trace-window",
-        "1:1:2",
-        "--trace-shapes",
-        script("basic.py"),
-        warmup=2,
-        steps=8,
-    )
+@pytest.fixture(scope="module")
+def trace_run(tmp_path_factory):
+    """basic.py under `stepscope run --trace DIR --trace-window 1:1:2 --trace-shapes`, warm-up 2, 8 measured steps:
+    step 2 measured (wait), 3 profiled and discarded, 4-5 recorded. Read by the tests of the trace file and of the
+    per-step counts, which hold whatever the window."""
+    tmp = tmp_path_factory.mktemp("trace_run")
+    return stepscope_run(
+        tmp, "--trace", str(tmp / "traces"), "--trace-window", "1:1:2", "--trace-shapes", script("basic.py"),
+        warmup=2, steps=8,
+    )  # fmt: skip
+
+
+def test_run_trace_writes_one_rank_file_and_leaves_profiled_steps_out(trace_run):
+    r = trace_run
+    traces = r.json_path.parent / "traces"
     assert r.returncode == 0, r.describe()
     # step 2 measured (wait), 3 profiled and discarded, 4-5 recorded
     assert trace_files(traces) == ["rank0.step4-5.pt.trace.json.gz"], r.describe()
@@ -395,15 +397,13 @@ def test_run_trace_writes_one_rank_file_and_leaves_profiled_steps_out(tmp_path):
     assert rank.data_loading is not None
 
 
-def test_run_trace_leaves_the_profiled_steps_out_of_the_per_step_counts(tmp_path):
+def test_run_trace_leaves_the_profiled_steps_out_of_the_per_step_counts(trace_run):
     """basic.py does one batch, forward, backward and optimizer step per step: the per-step counts must stay 1 when
     profiled steps are left out (their events must not be divided by the measured steps alone)."""
-    r = stepscope_run(
-        tmp_path, "--trace", str(tmp_path / "traces"), "--trace-window", "1:1:4", script("basic.py"), warmup=2, steps=8
-    )
+    r = trace_run
     assert r.returncode == 0, r.describe()
     s = r.summary
-    assert s.steps.measured == 8 and s.steps.profiled == 5, s.steps
+    assert s.steps.measured == 8 and s.steps.profiled == 3, s.steps
     for name in ("batches", "forward_calls", "backward_calls", "optimizer_steps"):
         assert s.counters[name] == pytest.approx(1.0), (name, s.counters)
 
