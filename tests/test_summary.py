@@ -10,6 +10,7 @@ from stepscope.summary import (
     Epoch,
     Exit,
     LoaderInfo,
+    LossSeries,
     Meta,
     Steps,
     Straggler,
@@ -125,6 +126,7 @@ def full_summary():
             "warnings": [],
             "skipped": [{"file": "broken.json", "reason": "the file is empty"}],
         },
+        loss=LossSeries(steps=[0, 1, 2], values=[2.5, None, 2.25]),
     )
 
 
@@ -159,7 +161,7 @@ def test_round_trip_of_a_real_scope_summary(tmp_path, clock):
 def test_json_form_puts_schema_version_first():
     data = orjson.loads(full_summary().to_json())
     assert next(iter(data)) == "schema_version"
-    assert data["schema_version"] == SCHEMA_VERSION == 6
+    assert data["schema_version"] == SCHEMA_VERSION == 7
     assert data["phases"]["forward"]["device_p95_ms"] == 22.0
     assert data["fixes"][1]["gain_bound"] is None
 
@@ -340,7 +342,7 @@ def test_schema_5_file_is_upgraded_without_a_wall_window_or_wall_rates():
 
 def test_trace_highlights_are_a_top_level_field_after_pipeline():
     data = orjson.loads(full_summary().to_json())
-    assert list(data)[-7:] == ["pipeline", "trace", "eval", "hotspots", "applied", "wall", "invariants"]
+    assert list(data)[-8:] == ["pipeline", "trace", "eval", "hotspots", "applied", "wall", "invariants", "loss"]
     assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
     assert RunSummary().to_dict()["trace"] == {}
 

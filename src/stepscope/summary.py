@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -46,6 +46,21 @@ class StepSeries:
 
     stride: int
     step_ms: list[float]
+
+
+@dataclass
+class LossSeries:
+    """The training loss of each measured step, read once when the run ends (never during it, which would add a
+    host sync per step): the sum of the scalar tensors the step's backward passes began from (one per micro-batch,
+    each as the script scaled it), for the first ``MAX_LOSS_STEPS`` measured steps. ``steps[i]`` is the measured
+    step's index from 0; a step whose loss was not finite has None. Runs of a seeded script see the same batches,
+    so the losses of two runs compare step by step: what a setting that changes numerics did to training."""
+
+    steps: list[int]
+    values: list[float | None]
+
+
+MAX_LOSS_STEPS = 1024
 
 
 @dataclass
@@ -269,6 +284,7 @@ class RunSummary:
     applied: list[dict[str, Any]] = field(default_factory=list)
     wall: Wall | None = None  # where the measured window's wall time went (per rank in a merged summary)
     invariants: list[str] = field(default_factory=list)  # the figures' broken invariants, one sentence each
+    loss: LossSeries | None = None  # each measured step's training loss (per rank in a merged summary)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -468,5 +484,9 @@ def _add_wall(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "wall": None, "invariants": [], "schema_version": 6}  # Throughput's wall rates have defaults
 
 
+def _add_loss(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "loss": None, "schema_version": 7}
+
+
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
-_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval, 4: _add_applied, 5: _add_wall}
+_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval, 4: _add_applied, 5: _add_wall, 6: _add_loss}

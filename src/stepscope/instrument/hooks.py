@@ -134,7 +134,8 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # backward ---------------------------------------------------------------------------------------------------
     def make_backward(original: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if compiling() or not tracker.active or not tracker.backward_begin():
+            root = args[0] if args else kwargs.get("tensors")  # Tensor.backward's self, autograd.backward's tensors
+            if compiling() or not tracker.active or not tracker.backward_begin(root):
                 return original(*args, **kwargs)
             try:
                 return original(*args, **kwargs)

@@ -14,6 +14,7 @@ its backward calls: the step closes when the next iteration begins (next fetch, 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import threading
 import weakref
@@ -30,7 +31,7 @@ from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
 from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope, own_scope_note, script_scopes
-from stepscope.summary import Epoch, Exit, LoaderInfo, RunSummary
+from stepscope.summary import MAX_LOSS_STEPS, Epoch, Exit, LoaderInfo, LossSeries, RunSummary
 
 HOST_PHASES = frozenset({"data_wait"})
 # Scalar reads (.item(), .tolist()) made here are not the script's own: torch's optimizer and clipping code (Adam
@@ -128,6 +129,22 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+def loss_series(kept: list[tuple[int, Any]]) -> LossSeries:
+    """Each step's loss from the (measured step, scalar tensor) pairs its backward passes began from, summed per
+    step; read in one transfer per device, which waits for the device once, at the end of the run."""
+    values: dict[int, float] = {}
+    by_device: dict[Any, list[tuple[int, Any]]] = {}
+    for step, tensor in kept:
+        by_device.setdefault(tensor.device, []).append((step, tensor))
+    torch = sys.modules["torch"]
+    for pairs in by_device.values():
+        read = torch.stack([t.reshape(()).float() for _, t in pairs]).tolist()
+        for (step, _), value in zip(pairs, read, strict=True):
+            values[step] = values.get(step, 0.0) + value
+    steps = sorted(values)
+    return LossSeries(steps, [values[s] if math.isfinite(values[s]) else None for s in steps])
+
+
 class Tracker:
     """Turns hook events into exclusive phase time, step boundaries, loader epochs and per-step counters."""
 
@@ -141,6 +158,8 @@ class Tracker:
         self.evals = EvalDetector()  # validation passes between steps: kept out of the step (see evaluation.py)
         self._fetch_loader: int | None = None
         self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
+        self._tensor: type = sys.modules["torch"].Tensor
+        self._losses: list[tuple[int, Any]] = []  # (measured step, the detached scalar a backward began from)
         scope._phase_of = self.phase_at  # the stack sampler reads the phase stack, not the Scope's phases
         # profiler/NVTX ranges around phases (`stepscope run --trace/--nvtx`); no-ops otherwise
         self._range_push = scope._ranges.push
@@ -366,15 +385,28 @@ class Tracker:
         self._exit("forward")
 
     @_guarded
-    def backward_begin(self) -> bool:
+    def backward_begin(self, root: Any = None) -> bool:
+        """A backward pass begins from ``root`` (the tensor, or the sequence of tensors, it differentiates)."""
         if self._stack and self._stack[-1] == "backward":
             return False  # Tensor.backward calling torch.autograd.backward
         self._close_backward_step()
+        self._keep_loss(root)
         self.evals.training(self, self._clock())
         self._count("backward_calls")
         self.audit.begin_backward()
         self._enter("backward")
         return True
+
+    def _keep_loss(self, root: Any) -> None:
+        """Keep a measured step's loss for the summary: the scalar a backward begins from, detached (the graph is
+        freed as usual) and not read until the run ends, so that no step waits for the device."""
+        recorder = self.scope._recorder
+        if not recorder.measuring or recorder.measured >= MAX_LOSS_STEPS:
+            return
+        if isinstance(root, (list, tuple)) and len(root) == 1:
+            root = root[0]
+        if isinstance(root, self._tensor) and root.numel() == 1:
+            self._losses.append((recorder.measured, root.detach()))
 
     @property
     def backward_open(self) -> bool:
@@ -785,6 +817,11 @@ class Tracker:
                 f"(numbered from 0 in build order) before it ended",
             }
         summary.applied = self.fixes.results()
+        if drain and self._losses:
+            try:
+                summary.loss = loss_series(self._losses)
+            except Exception as error:  # the loss is an extra: reading it must not cost the figures
+                summary.notes.append(f"the steps' loss could not be read ({type(error).__name__}: {error})")
         audits = self.audit.audits() if self.audited is None else self.audited
         summary.params = [a.to_dict() for a in audits]
         try:
