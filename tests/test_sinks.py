@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import logging
 import os
 import time
+from pathlib import Path
 
 import orjson
 import pytest
-from run_helpers import script, stepscope_run
+from run_helpers import RunResult, script, stepscope_run
 
 from stepscope import NULL_SCOPE, Scope
 from stepscope.sinks import JsonlSink, SinkSet
@@ -147,12 +149,33 @@ def test_environment_overrides_the_config(monkeypatch):
     assert Scope.from_config({}, system_interval_s=None) is not NULL_SCOPE
 
 
-def test_run_writes_a_line_per_measured_step(tmp_path):
-    out = tmp_path / "metrics.jsonl"
-    r = stepscope_run(tmp_path, "--metrics-jsonl", str(out), script("basic.py"), warmup=3, steps=12)
+@dataclasses.dataclass
+class SinksRun:
+    result: RunResult
+    jsonl: Path
+    mlflow_uri: str | None  # the unreachable MLflow server the run also logged to (None without mlflow)
+    took_s: float
+
+
+@pytest.fixture(scope="module")
+def sinks_run(tmp_path_factory) -> SinksRun:
+    """basic.py with a JSONL file and, where mlflow is installed, an MLflow server that is down: one run serves the
+    test of the JSONL lines and the test that a down server holds nothing up (the fan-out drops the failing sink
+    alone, so the JSONL file must still get every measured step)."""
+    tmp = tmp_path_factory.mktemp("sinks_run")
+    jsonl = tmp / "metrics.jsonl"
+    uri = f"http://127.0.0.1:{_closed_loopback_port()}" if importlib.util.find_spec("mlflow") else None
+    mlflow = ("--sink", f"mlflow:{uri}") if uri else ()
+    start = time.monotonic()
+    r = stepscope_run(tmp, "--metrics-jsonl", str(jsonl), *mlflow, script("basic.py"), warmup=2, steps=20, timeout=150)
+    return SinksRun(r, jsonl, uri, time.monotonic() - start)
+
+
+def test_run_writes_a_line_per_measured_step(sinks_run):
+    r = sinks_run.result
     assert r.returncode == 0, r.describe()
-    rows = lines(out)
-    assert len(rows) == r.summary.steps.measured == 12, rows
+    rows = lines(sinks_run.jsonl)
+    assert len(rows) == r.summary.steps.measured == 20, rows
     assert all(row["perf/step_time"] > 0 and "perf/train_capacity" in row for row in rows)
     assert [row["step"] for row in rows] == sorted({row["step"] for row in rows})
 
@@ -302,12 +325,10 @@ def test_an_mlflow_server_that_is_down_never_holds_up_the_script(loopback_only, 
     assert loopback_only and {address[0] for address in loopback_only} == {"127.0.0.1"}
 
 
-def test_run_with_an_mlflow_sink_whose_server_is_down_is_not_held_up(tmp_path):
+def test_run_with_an_mlflow_sink_whose_server_is_down_is_not_held_up(sinks_run):
     pytest.importorskip("mlflow")
-    uri = f"http://127.0.0.1:{_closed_loopback_port()}"
-    start = time.monotonic()
-    r = stepscope_run(tmp_path, "--sink", f"mlflow:{uri}", script("basic.py"), warmup=2, steps=20, timeout=150)
-    took_s = time.monotonic() - start
+    r, took_s = sinks_run.result, sinks_run.took_s
+    assert sinks_run.mlflow_uri is not None
     assert r.returncode == 0, r.describe()
     assert r.summary.steps.measured == 20
     assert r.stderr.count("stepscope: the MLflowSink sink") == 1, r.describe()
