@@ -18,6 +18,7 @@ import pytest
 import torch
 from run_helpers import (
     SCRIPTS,
+    RunResult,
     check_consistent,
     line_starting,
     run_env,
@@ -36,15 +37,32 @@ def counter(summary: RunSummary, name: str) -> float:
 
 
 # -- a plain loop, stopped after --steps -----------------------------------------------------------------------
+# Each run starts a Python that imports torch (seconds of CPU): tests that only read a run share it.
 
 
-def test_stops_after_warmup_plus_steps(tmp_path):
-    r = stepscope_run(tmp_path, script("basic.py"), "--tag", "hello", warmup=3, steps=12)
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> RunResult:
+    """basic.py (clip_grad_norm_) stopped after 3 + 15 steps, with a --tag that has a space in it."""
+    tmp_path = tmp_path_factory.mktemp("plain")
+    return stepscope_run(tmp_path, script("basic.py"), "--tag", "hello world", warmup=3, steps=15)
+
+
+@pytest.fixture(scope="module")
+def dashed_run(tmp_path_factory) -> RunResult:
+    """basic.py as any command after ``--``, stopped after 3 + 8 steps; it clips with clip_grad_value_ (the plain
+    run has clip_grad_norm_), for the terminal report's test."""
+    tmp_path = tmp_path_factory.mktemp("dashed")
+    cmd = ("--", sys.executable, script("basic.py"), "--tag", "dashed", "--clip", "value")
+    return stepscope_run(tmp_path, *cmd, warmup=3, steps=8)
+
+
+def test_stops_after_warmup_plus_steps(plain_run):
+    r = plain_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
     assert s.steps.warmup == 3, r.describe()
-    assert s.steps.measured == 12, r.describe()
+    assert s.steps.measured == 15, r.describe()
     assert s.steps.boundary == "optimizer.step", r.describe()
     assert s.exit is not None, r.describe()
     assert s.exit.reason == "stopped", r.describe()
@@ -53,8 +71,8 @@ def test_stops_after_warmup_plus_steps(tmp_path):
     assert "basic: done" not in r.stdout, r.describe()
 
 
-def test_script_runs_as_main_with_its_argv_and_output_untouched(tmp_path):
-    r = stepscope_run(tmp_path, script("basic.py"), "--tag", "hello world", warmup=2, steps=5)
+def test_script_runs_as_main_with_its_argv_and_output_untouched(plain_run):
+    r = plain_run
     assert r.returncode == 0, r.describe()
     assert "basic: __name__=__main__ argv0=" in r.stdout, r.describe()
     first = next(line for line in r.stdout.splitlines() if line.startswith("basic: __name__="))
@@ -64,8 +82,8 @@ def test_script_runs_as_main_with_its_argv_and_output_untouched(tmp_path):
     assert "basic: a line on stderr" not in r.stdout, r.describe()
 
 
-def test_every_phase_of_a_plain_loop_is_timed(tmp_path):
-    r = stepscope_run(tmp_path, script("basic.py"), warmup=3, steps=15)
+def test_every_phase_of_a_plain_loop_is_timed(plain_run):
+    r = plain_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -93,8 +111,8 @@ def test_every_phase_of_a_plain_loop_is_timed(tmp_path):
     assert s.meta.rank in (None, 0)
 
 
-def test_terminal_report(tmp_path):
-    r = stepscope_run(tmp_path, script("basic.py"), "--clip", "value", warmup=2, steps=6)
+def test_terminal_report(dashed_run):
+    r = dashed_run
     assert r.returncode == 0, r.describe()
     assert "clip" in r.summary.phases, r.describe()  # clip_grad_value_
     assert line_starting(r.stdout, "data_wait") is not None, r.describe()
@@ -135,8 +153,8 @@ def test_script_exit_code_propagates(tmp_path):
     assert "Traceback" not in r.stderr, r.describe()
 
 
-def test_any_command_after_double_dash(tmp_path):
-    r = stepscope_run(tmp_path, "--", sys.executable, script("basic.py"), "--tag", "dashed", warmup=3, steps=8)
+def test_any_command_after_double_dash(dashed_run):
+    r = dashed_run
     assert r.returncode == 0, r.describe()
     assert "tag=dashed" in r.stdout, r.describe()
     s = r.summary
@@ -151,8 +169,18 @@ def test_any_command_after_double_dash(tmp_path):
 # -- where the time goes -----------------------------------------------------------------------------------------
 
 
-def test_slow_loader_is_data_bound(tmp_path):
-    r = stepscope_run(tmp_path, script("slow_loader.py"), "--sample-ms", "3", warmup=3, steps=20)
+@pytest.fixture(scope="module")
+def slow_loader_run(tmp_path_factory) -> RunResult:
+    """slow_loader.py without workers, 3 ms per sample, stopped after 3 + 20 steps. 40 samples make 5 batches of 8
+    per epoch: the 23 batches span 4 whole epochs and 3 batches of a fifth (without workers each batch waits for its
+    8 sleeps, whatever the dataset's size)."""
+    tmp_path = tmp_path_factory.mktemp("slow_loader")
+    args = ("--sample-ms", "3", "--num-samples", "40")
+    return stepscope_run(tmp_path, script("slow_loader.py"), *args, warmup=3, steps=20)
+
+
+def test_slow_loader_is_data_bound(slow_loader_run):
+    r = slow_loader_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -173,10 +201,10 @@ def test_slow_loader_is_data_bound(tmp_path):
     assert s.loaders[0].num_workers == 0
 
 
-def test_workers_cut_data_wait(tmp_path):
-    serial = stepscope_run(tmp_path / "w0", script("slow_loader.py"), "--sample-ms", "3", warmup=3, steps=20)
+def test_workers_cut_data_wait(tmp_path, slow_loader_run):
+    serial = slow_loader_run
     workers = stepscope_run(
-        tmp_path / "w2",
+        tmp_path,
         script("slow_loader.py"),
         *("--sample-ms", "3", "--num-workers", "2", "--persistent-workers"),
         warmup=5,
@@ -197,29 +225,27 @@ def test_workers_cut_data_wait(tmp_path):
     assert s2.throughput.samples_per_s > 1.2 * s0.throughput.samples_per_s
 
 
-def test_epochs_are_listed(tmp_path):
-    # 40 samples / batch 8 = 5 batches per epoch; 3 + 13 = 16 steps = 3 whole epochs and 1 batch of a fourth.
-    r = stepscope_run(
-        tmp_path, script("slow_loader.py"), "--sample-ms", "0.2", "--num-samples", "40", warmup=3, steps=13
-    )
+def test_epochs_are_listed(slow_loader_run):
+    # 40 samples / batch 8 = 5 batches per epoch; 3 + 20 = 23 steps = 4 whole epochs and 3 batches of a fifth.
+    r = slow_loader_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
     epochs = s.epochs
-    assert len(epochs) == 4, f"{epochs}\n{r.describe()}"
-    assert [e.index for e in epochs] == [0, 1, 2, 3]
+    assert len(epochs) == 5, f"{epochs}\n{r.describe()}"
+    assert [e.index for e in epochs] == [0, 1, 2, 3, 4]
     assert all(e.loader == 0 for e in epochs)
-    for e in epochs[:3]:
+    for e in epochs[:4]:
         assert e.complete, e
         assert (e.batches, e.samples) == (5, 40), e
-        assert e.time_s > 0.2 * 40 / 1e3, e
-    assert not epochs[3].complete, epochs[3]
-    assert epochs[3].batches == 1, epochs[3]
+        assert e.time_s > 3 * 40 / 1e3, e  # 40 samples of 3 ms of sleep each
+    assert not epochs[4].complete, epochs[4]
+    assert epochs[4].batches == 3, epochs[4]
     assert all(e.start_stall_ms is None or e.start_stall_ms >= 0 for e in epochs)
     loader = s.loaders[0]
     assert loader.length == 5
-    assert loader.batches == 16
-    assert loader.samples == 128
+    assert loader.batches == 23
+    assert loader.samples == 184
 
 
 def test_expensive_optimizer_is_optimizer_bound(tmp_path):
@@ -334,8 +360,19 @@ def test_gan_two_optimizers_make_one_step(tmp_path):
     assert s.throughput.samples_per_s == pytest.approx(16 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
 
 
-def test_item_calls_are_counted(tmp_path):
-    r = stepscope_run(tmp_path, script("item_every_step.py"), warmup=3, steps=15)
+@pytest.fixture(scope="module")
+def item_run(tmp_path_factory) -> RunResult:
+    """item_every_step.py: the step reads its loss back with .item() once, and the loader calls .item() too, which is
+    data loading: 8 times per batch in the Dataset's __getitem__ (--item-in-dataset), and at each epoch start, where
+    a shuffled loader draws its seed (32 samples: 4 batches per epoch, 5 epoch starts in 3 + 15 steps). Only the
+    step's own read-back may be counted."""
+    tmp_path = tmp_path_factory.mktemp("item")
+    args = ("--item-in-dataset", "--samples", "32")
+    return stepscope_run(tmp_path, script("item_every_step.py"), *args, warmup=3, steps=15)
+
+
+def test_item_calls_are_counted(item_run):
+    r = item_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -351,19 +388,19 @@ def test_tolist_counts_as_a_read_back(tmp_path):
     assert counter(s, "item_calls") == pytest.approx(2, abs=0.01), s.counters
 
 
-def test_item_inside_the_dataset_is_not_counted(tmp_path):
+def test_item_inside_the_dataset_is_not_counted(item_run):
     # __getitem__ calls .item() 8 times per batch: that is data loading, not a read-back in the step.
-    r = stepscope_run(tmp_path, script("item_every_step.py"), "--item-in-dataset", warmup=3, steps=15)
+    r = item_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
     assert counter(s, "item_calls") == pytest.approx(1, abs=0.01), s.counters
 
 
-def test_loader_epoch_starts_are_data_loading_not_the_scripts_reads(tmp_path):
+def test_loader_epoch_starts_are_data_loading_not_the_scripts_reads(item_run):
     # 4 batches per shuffled epoch: iter(loader) draws its seed with .item() at each of ~5 epoch starts. That is
     # the loader's work (data_wait), not a read-back of the training step.
-    r = stepscope_run(tmp_path, script("item_every_step.py"), "--samples", "32", warmup=3, steps=15)
+    r = item_run
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
