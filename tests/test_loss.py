@@ -1,18 +1,25 @@
 """Each measured step's loss in the summary: read from the tensors backward began from, once at the end of the run,
-against the values the loop itself read (same process, same tensors)."""
+against the values the loop itself read (the same process, and a real script under `stepscope run`); and tune's
+side-by-side of the baseline's and the tuned run's loss where a kept setting changes numerics."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
+from run_helpers import script, stepscope_run
 from torch import nn
 
+from stepscope.analyses.ab import RunFigures, run_figures, variant_result
 from stepscope.instrument.hooks import install
 from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
+from stepscope.instrument.tune import TuneResult, compare_loss
+from stepscope.report.tune import print_tune
+from stepscope.report.tune_html import tune_html
 from stepscope.scope import enabled_scope
-from stepscope.summary import RunSummary
+from stepscope.summary import LossSeries, RunSummary
 
 WARMUP, STEPS = 2, 6
 
@@ -121,3 +128,59 @@ def test_a_summary_of_schema_6_reads_with_no_loss(tmp_path):
     data.pop("loss")
     data["schema_version"] = 6
     assert RunSummary.from_dict(data).loss is None
+
+
+# -- end to end: the loss under `stepscope run`, and tune's side by side ----------------------------------------
+
+
+def _own_losses(stdout: str) -> dict[int, float]:
+    return {int(w[1]): float(w[2]) for w in (line.split() for line in stdout.splitlines()) if w[:1] == ["loss"]}
+
+
+def test_run_keeps_the_scripts_own_loss_and_bf16_shows_beside_the_baseline(tmp_path):
+    # The seeded script prints the loss it read after each step. Under `stepscope run` the summary's losses are
+    # those very values; with --apply precision.bf16 they move by bf16's rounding only, and tune's comparison
+    # names the setting that changed numerics.
+    runs = [
+        stepscope_run(tmp_path / name, *apply, script("seeded_loss.py"), warmup=2, steps=5)
+        for name, apply in (("baseline", ()), ("bf16", ("--apply", "precision.bf16")))
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.describe()
+    baseline, bf16 = (r.summary for r in runs)
+    own = _own_losses(runs[0].stdout)
+    assert baseline.loss is not None and baseline.loss.steps == [0, 1, 2, 3, 4], runs[0].describe()
+    assert baseline.loss.values == [own[2 + i] for i in range(5)], (baseline.loss, own)
+    assert bf16.loss is not None and bf16.loss.values == [_own_losses(runs[1].stdout)[2 + i] for i in range(5)]
+    assert bf16.loss.values != baseline.loss.values
+    sides = [variant_result(r.summary.meta.command or "", "", {}, [run_figures(r.summary, 0, 1)]) for r in runs]
+    loss = compare_loss(*sides, ["precision.bf16"])
+    assert loss is not None and loss.numerics == ["precision.bf16"] and loss.steps == [0, 1, 2, 3, 4]
+    assert 0 < loss.max_rel_diff < 0.02, loss  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
+    result = TuneResult(baseline_steps_per_s=100.0, best_apply=["precision.bf16"], speedup=1.2, loss=loss)
+    out = io.StringIO()
+    print_tune(result, baseline, ["train.py"], file=out)
+    text = out.getvalue()
+    assert "loss of the same steps (precision.bf16 changes numerics): largest difference" in text, text
+    assert f"{baseline.loss.values[0]:.6g}" in text and f"{bf16.loss.values[-1]:.6g}" in text, text
+    page = tune_html(result, ["train.py"])
+    assert "the loss of the same steps" in page and "<title>tuned: " in page and "<title>baseline: " in page, page
+    assert TuneResult.to_dict(result)["best"]["loss"]["numerics"] == ["precision.bf16"]
+
+
+def test_settings_that_keep_numerics_show_no_loss_table_and_gaps_are_skipped():
+    def side(steps, values):
+        figures = RunFigures(
+            order=1, exit_code=0, exit_reason="stopped", measured_steps=len(steps), sec_per_step=0.01,
+            samples_per_s=None, peak_mem_mb=None, peak_mem_source=None, per_rank_batch=None, global_batch=None,
+            world_size=1, backend="single process", loss=LossSeries(steps, values),
+        )  # fmt: skip
+        return variant_result("v", "", {}, [figures])
+
+    loss = compare_loss(side([0, 1, 2, 3], [2.0, None, 1.0, 1.0]), side([1, 2, 3, 4], [5.0, 1.1, 1.0, 9.0]), ["x=1"])
+    assert loss is not None and loss.steps == [1, 2, 3] and loss.numerics == []
+    assert loss.max_rel_diff == pytest.approx(0.1) and loss.max_rel_diff_step == 2 and loss.last_rel_diff == 0.0
+    assert compare_loss(side([0], [1.0]), side([5], [1.0]), []) is None
+    out = io.StringIO()
+    print_tune(TuneResult(baseline_steps_per_s=1.0, best_apply=["x=1"], loss=loss), RunSummary(), ["t.py"], file=out)
+    assert "loss of the same steps" not in out.getvalue()

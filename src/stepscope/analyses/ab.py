@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from stepscope.summary import RunSummary
+from stepscope.summary import LossSeries, RunSummary
 
 CONFIDENCE = 0.95
 METHOD = (
@@ -95,6 +95,7 @@ class RunFigures:
     # Measured step times, s, from the series of the rank that sets sec/step: each the mean of step_stride steps.
     step_s: list[float] = field(default_factory=list)
     step_stride: int = 1
+    loss: LossSeries | None = None  # each measured step's loss (the first rank's that has one)
 
     @property
     def usable(self) -> bool:
@@ -202,6 +203,7 @@ def run_figures(summary: RunSummary, exit_code: int, order: int) -> RunFigures:
         failure=_failure(summary, exit_code),
         step_s=step_s,
         step_stride=stride,
+        loss=next((r.loss for r in ranks if r.loss is not None), None),
     )
 
 

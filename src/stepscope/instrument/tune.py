@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, Settings, VariantResult
+from stepscope.doctor.rules import CATALOGUE
 from stepscope.instrument.ab import Variant, run_ab
 from stepscope.instrument.apply import ALIASES, ApplyError, describe, parse_fixes, worker_limit
 from stepscope.instrument.launch import Target
@@ -86,6 +87,20 @@ class Trial:
 
 
 @dataclass
+class LossComparison:
+    """The loss of the same measured steps in one run of the baseline and one of the best combination (a seeded
+    script sees the same batches in both): what the settings that change numerics did to training."""
+
+    steps: list[int]
+    baseline: list[float | None]
+    tuned: list[float | None]
+    numerics: list[str]  # the best's settings that change numerics ([] when none does)
+    max_rel_diff: float | None  # the largest |tuned - baseline| / |baseline| over the steps where both are finite
+    max_rel_diff_step: int | None
+    last_rel_diff: float | None  # at the last step both runs measured
+
+
+@dataclass
 class TuneResult:
     """What the search measured and found; ``to_dict`` is the ``--json`` file."""
 
@@ -100,6 +115,7 @@ class TuneResult:
     rounds: int = 0
     stopped: str | None = None  # why the search ended before it ran out of candidates
     notes: list[str] = field(default_factory=list)
+    loss: LossComparison | None = None  # from the last A/B, when both sides' runs read their loss
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -111,6 +127,7 @@ class TuneResult:
                 "ci_low": self.ci_low,
                 "ci_high": self.ci_high,
                 "steps_per_s": self.best_steps_per_s,
+                "loss": None if self.loss is None else asdict(self.loss),
             },
             "keep": self.keep,
             "rounds": self.rounds,
@@ -458,6 +475,38 @@ def _measure_best(plan: Search, result: TuneResult) -> None:
             )
     if final.stopped:
         result.notes.append(f"the last A/B: {final.stopped}")
+    if len(final.variants) == 2:
+        result.loss = compare_loss(final.variants[0], final.variants[1], result.best_apply)
+
+
+NUMERICS = frozenset(rule.id for rule in CATALOGUE if rule.changes_numerics)
+
+
+def compare_loss(baseline: VariantResult, tuned: VariantResult, apply: list[str]) -> LossComparison | None:
+    """The loss of the steps both sides measured, from the first usable run of each that read its loss; None
+    when either has none."""
+    sides = [next((run.loss for run in v.runs if run.usable and run.loss is not None), None) for v in (baseline, tuned)]
+    if sides[0] is None or sides[1] is None:
+        return None
+    by_step = [dict(zip(side.steps, side.values, strict=True)) for side in sides]
+    steps = sorted(set(by_step[0]) & set(by_step[1]))
+    if not steps:
+        return None
+    diffs = {
+        step: abs(by_step[1][step] - by_step[0][step]) / abs(by_step[0][step])
+        for step in steps
+        if by_step[0][step] and by_step[1][step] is not None
+    }
+    worst = max(diffs, key=diffs.__getitem__, default=None)
+    return LossComparison(
+        steps=steps,
+        baseline=[by_step[0][s] for s in steps],
+        tuned=[by_step[1][s] for s in steps],
+        numerics=[a for a in apply if _ids(a) & NUMERICS],
+        max_rel_diff=None if worst is None else diffs[worst],
+        max_rel_diff_step=worst,
+        last_rel_diff=diffs.get(steps[-1]),
+    )
 
 
 # -- doctor --verify: the neighbours of an advised value that measured no faster ----------------------------------

@@ -14,7 +14,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from stepscope.instrument.tune import TuneResult, run_line
+from stepscope.instrument.tune import LossComparison, TuneResult, run_line
 from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
 from stepscope.summary import RunSummary
 
@@ -84,6 +84,41 @@ def print_tune(result: TuneResult | None, summary: RunSummary, command: list[str
     say("keep it in the script:")
     for line in result.keep:
         say(f"  {line}")
+    if result.loss is not None and result.loss.numerics:
+        say(loss_headline(result.loss))
+        for line in loss_rows(result.loss):
+            say(f"  {line}")
+
+
+def percent_text(value: float | None) -> str:
+    """A relative difference as "0.42%", or "-" when unknown."""
+    return "-" if value is None else f"{value * 100:.2g}%"
+
+
+def loss_headline(loss: LossComparison) -> str:
+    """What the settings that change numerics did to the loss, in one line."""
+    worst = "" if loss.max_rel_diff_step is None else f" (measured step {loss.max_rel_diff_step})"
+    return (
+        f"loss of the same steps ({', '.join(loss.numerics)} changes numerics): largest difference "
+        f"{percent_text(loss.max_rel_diff)}{worst}, at the last step {percent_text(loss.last_rel_diff)}"
+    )
+
+
+def loss_rows(loss: LossComparison, edge: int = 3) -> list[str]:
+    """The first and last ``edge`` steps side by side, baseline then tuned, as aligned text."""
+    shown = range(len(loss.steps))
+    if len(loss.steps) > 2 * edge:
+        shown = [*range(edge), *range(len(loss.steps) - edge, len(loss.steps))]
+    rows = [f"{'step':>6} {'baseline':>12} {'tuned':>12}"]
+    for i in shown:
+        if rows and i == len(loss.steps) - edge and len(loss.steps) > 2 * edge:
+            rows.append(f"{'...':>6}")
+        rows.append(f"{loss.steps[i]:>6} {_loss_text(loss.baseline[i]):>12} {_loss_text(loss.tuned[i]):>12}")
+    return rows
+
+
+def _loss_text(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.6g}"
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 The headline (the best combination against the baseline, with its interval), the trials as a chart (each trial's
 speedup against the best so far at its round, with its 95% interval, coloured by what happened to it), the table,
-and how to keep the best. Every user string (settings, notes, the command) is escaped.
+how to keep the best, and where a kept setting changes numerics the loss of the same steps, baseline and tuned.
+Every user string (settings, notes, the command) is escaped.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from stepscope import __version__
-from stepscope.instrument.tune import Trial, TuneResult, run_line
+from stepscope.instrument.tune import LossComparison, Trial, TuneResult, run_line
 from stepscope.report.scale_html import PAGE_CSS
-from stepscope.report.svg import esc, interval_chart
-from stepscope.report.tune import interval_text, number_text
+from stepscope.report.svg import esc, interval_chart, line_chart
+from stepscope.report.tune import interval_text, loss_headline, loss_rows, number_text
 
 KEPT, PROMOTED, REJECTED, SLOWER_COLOR = "#59a14f", "#4e79a7", "#bab0ac", "#e15759"
 
@@ -37,6 +38,21 @@ def _table(result: TuneResult) -> str:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
+def _loss_html(loss: LossComparison | None) -> str:
+    """The loss of the same steps, baseline and tuned, as a chart and its first and last rows, where a kept
+    setting changes numerics."""
+    if loss is None or not loss.numerics:
+        return ""
+    chart = line_chart(
+        [("baseline", loss.steps, loss.baseline), ("tuned", loss.steps, loss.tuned)],
+        x_label="measured step",
+        y_label="loss",
+        dashed={"tuned"},
+        title="the loss of the same steps",
+    )
+    return f"<h3>{esc(loss_headline(loss))}</h3>{chart}<pre>{esc(chr(10).join(loss_rows(loss)))}</pre>"
+
+
 def tune_html(result: TuneResult, command: list[str]) -> str:
     """The whole page."""
     if result.best_apply:
@@ -46,6 +62,7 @@ def tune_html(result: TuneResult, command: list[str]) -> str:
             f"{number_text(result.speedup)}x the baseline{esc(interval)}</p>"
             f"<pre>{esc(run_line(result.best_apply, command))}</pre>"
             f"<h3>keep it in the script</h3><ul>{''.join(f'<li><code>{esc(k)}</code></li>' for k in result.keep)}</ul>"
+            f"{_loss_html(result.loss)}"
         )
     else:
         headline = "<p><b>best: the script as it is</b>; no setting measured faster.</p>"
