@@ -42,13 +42,14 @@ def activate() -> None:
         return
     _state["active"] = True
     try:
-        from stepscope.instrument.tracker import RunConfig
-
-        config = RunConfig(**json.loads(raw))
+        options = json.loads(raw)
+        # Nothing heavy is imported before the script's own `import torch` (the tracker pulls in numpy and psutil):
+        # a script that sets OMP_NUM_THREADS or OPENBLAS_NUM_THREADS before its imports must still get them, and a
+        # process that never imports torch must stay as it would be.
         if "torch" in sys.modules:
-            _start(config)
+            _start(options)
         else:
-            sys.meta_path.insert(0, _AfterImport("torch", lambda: _start(config)))
+            sys.meta_path.insert(0, _AfterImport("torch", lambda: _start(options)))
     except Exception as error:
         _warn("could not set up instrumentation", error)
 
@@ -78,14 +79,15 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _start(config: Any) -> None:
+def _start(options: dict[str, Any]) -> None:
     try:
         from stepscope.instrument.hooks import install
         from stepscope.instrument.profile import ProfileWindow
-        from stepscope.instrument.tracker import Tracker
+        from stepscope.instrument.tracker import RunConfig, Tracker
         from stepscope.scope import enabled_scope
 
-        options = {
+        config = RunConfig(**options)
+        scope_options = {
             "warmup": config.warmup,
             "system_interval_s": config.system_interval_s,
             "stack_sample_hz": config.stack_sample_hz,
@@ -93,7 +95,7 @@ def _start(config: Any) -> None:
         }
         try:
             scope = enabled_scope(
-                **options,
+                **scope_options,
                 profile=ProfileWindow(**config.profile) if config.profile else None,
                 nvtx=config.nvtx,
                 nsys_window=config.nsys_window,
@@ -105,7 +107,7 @@ def _start(config: Any) -> None:
                 error,
                 then="measuring without " + ("NVTX and the Nsight window" if profile else "it"),
             )
-            scope = enabled_scope(**options, profile=profile)
+            scope = enabled_scope(**scope_options, profile=profile)
         tracker = Tracker(scope, config)
         install(tracker)
     except Exception as error:
