@@ -8,7 +8,8 @@ Three figures for bench/workloads/cpu_train.py:
   wall     (T_long - T_short) / (N_long - N_short) of whole-process wall times, which cancels start-up.
 Both process-level figures come with an A/A control (plain against plain): on a shared 2-core VM it moves by
 several percent, so they bound gross regressions only.
-Target (issue 3): <= 3% per step.
+Target (issue 3): <= 3% per step. Each estimator is printed beside the run's own figure (summary.overhead, issue
+27): its hook handlers' time and its threads' CPU, measured in the run.
 
     python bench/run_overhead.py [--repeats 9] [--short 200] [--long 1000] [--json out/run_overhead.json]
 """
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,14 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "bench" / "workloads" / "cpu_train.py"
 
 
-def timed_run(command: list[str]) -> tuple[float, float]:
-    """(whole-process wall seconds, the script's own loop seconds per step)."""
+def timed_run(command: list[str]) -> tuple[float, float, float | None]:
+    """(whole-process wall seconds, the script's own loop seconds per step, and under stepscope the run's
+    self-measured cost in seconds per step: summary.overhead)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
-    done = subprocess.run(command, check=True, env=env, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as folder:
+        summary = Path(folder) / "s.json"
+        if command[1:4] == ["-m", "stepscope.cli", "run"]:
+            command = [*command[:4], "--json", str(summary), *command[4:]]
+        t0 = time.perf_counter()
+        done = subprocess.run(command, check=True, env=env, capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - t0
+        own = json.loads(summary.read_text())["overhead"]["us_per_step"] / 1e6 if summary.exists() else None
     loop = next(line for line in done.stdout.splitlines() if line.startswith("loop_ms_per_step"))
-    return wall, float(loop.split()[1]) / 1e3
+    return wall, float(loop.split()[1]) / 1e3, own
 
 
 def command(variant: str, steps: int, width: int) -> list[str]:
@@ -74,7 +82,7 @@ def paired(blocks: int, block_steps: int, width: int) -> dict[str, dict[str, flo
             per_block[variant].append((time.thread_time() - t0) / block_steps * 1e3)
             if uninstall:
                 uninstall()
-    return {
+    figures: dict[str, dict[str, float]] = {
         variant: {
             "median": statistics.median(ms),
             "p10": statistics.quantiles(ms, n=10)[0],
@@ -82,6 +90,11 @@ def paired(blocks: int, block_steps: int, width: int) -> dict[str, dict[str, flo
         }
         for variant, ms in per_block.items()
     }
+    # What the run measured of itself over its own blocks (summary.overhead): the hooks' part, as the paired
+    # figure leaves out the sampler thread (the main thread's CPU clock).
+    own = tracker.summary().overhead
+    figures["self_measured_us"] = {"hooks": own.hooks_us_per_step, "threads": own.threads_us_per_step or 0.0}
+    return figures
 
 
 def main() -> None:
@@ -106,6 +119,13 @@ def main() -> None:
             f" ms/step: {pct['stepscope']:+.2f}% (A/A control {pct['plain_again']:+.2f}%)"
         )
     print(f"  {'PASS' if paired_pct['median']['stepscope'] <= 3 else 'MISS'}  <= 3% per step (paired median)")
+    paired_us = (blocks["stepscope"]["median"] - blocks["plain"]["median"]) * 1e3
+    own = blocks.pop("self_measured_us")
+    print(
+        f"self-measured (summary.overhead, hooks): {own['hooks']:.1f} us/step against the paired median's "
+        f"{paired_us:.1f} us/step: {own['hooks'] / paired_us if paired_us > 0 else float('nan'):.2f}x "
+        f"(its threads: {own['threads']:.1f} us/step more, on their own CPU clocks)"
+    )
     if args.skip_process:
         if args.json:
             Path(args.json).write_text(json.dumps({"paired_ms_per_step": blocks, "paired_pct": paired_pct}, indent=2))
@@ -114,12 +134,15 @@ def main() -> None:
     variants = ["plain", "stepscope", "plain_again"]
     loop: dict[str, list[float]] = {v: [] for v in variants}
     wall: dict[str, list[float]] = {v: [] for v in variants}
+    own: list[float] = []
     for repeat in range(args.repeats):
         for variant in variants if repeat % 2 == 0 else variants[::-1]:
-            short_wall, _ = timed_run(command(variant.removesuffix("_again"), args.short, args.width))
-            long_wall, long_loop = timed_run(command(variant.removesuffix("_again"), args.long, args.width))
+            short_wall, _, _ = timed_run(command(variant.removesuffix("_again"), args.short, args.width))
+            long_wall, long_loop, long_own = timed_run(command(variant.removesuffix("_again"), args.long, args.width))
             loop[variant].append(long_loop)
             wall[variant].append((long_wall - short_wall) / (args.long - args.short))
+            if long_own is not None:
+                own.append(long_own)
 
     def ratio(figures: dict[str, list[float]], a: str, b: str) -> float:
         return statistics.median(y / x for x, y in zip(figures[a], figures[b], strict=True))
@@ -135,6 +158,7 @@ def main() -> None:
         "wall_ms_per_step": {v: statistics.median(wall[v]) * 1e3 for v in variants},
         "wall_overhead_pct": 100 * (ratio(wall, "plain", "stepscope") - 1),
         "wall_aa_pct": 100 * (ratio(wall, "plain", "plain_again") - 1),
+        "self_measured_us_per_step": statistics.median(own) * 1e6,
     }
     ms = result["loop_ms_per_step"]
     print(
@@ -145,6 +169,11 @@ def main() -> None:
     print(
         f"wall (long - short runs):  plain {ms['plain']:.3f} ms/step, stepscope run {ms['stepscope']:.3f} ms/step: "
         f"{result['wall_overhead_pct']:+.2f}% (A/A control {result['wall_aa_pct']:+.2f}%)"
+    )
+    loop_us = (result["loop_ms_per_step"]["stepscope"] - result["loop_ms_per_step"]["plain"]) * 1e3
+    print(
+        f"self-measured (summary.overhead of the long runs): {result['self_measured_us_per_step']:.1f} us/step "
+        f"against the loop's {loop_us:.1f} us/step"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -12,6 +12,7 @@ from stepscope.summary import (
     LoaderInfo,
     LossSeries,
     Meta,
+    Overhead,
     Steps,
     Straggler,
     Throughput,
@@ -127,6 +128,7 @@ def full_summary():
             "skipped": [{"file": "broken.json", "reason": "the file is empty"}],
         },
         loss=LossSeries(steps=[0, 1, 2], values=[2.5, None, 2.25]),
+        overhead=Overhead(us_per_step=45.5, share=0.0112, hooks_us_per_step=40.0, threads_us_per_step=5.5, how="x"),
     )
 
 
@@ -342,7 +344,9 @@ def test_schema_5_file_is_upgraded_without_a_wall_window_or_wall_rates():
 
 def test_trace_highlights_are_a_top_level_field_after_pipeline():
     data = orjson.loads(full_summary().to_json())
-    assert list(data)[-8:] == ["pipeline", "trace", "eval", "hotspots", "applied", "wall", "invariants", "loss"]
+    assert list(data)[-9:] == [
+        "pipeline", "trace", "eval", "hotspots", "applied", "wall", "invariants", "loss", "overhead"
+    ]  # fmt: skip
     assert data["trace"]["ranks"][0]["top_kernels"][0]["name"] == "gemm<128>"
     assert RunSummary().to_dict()["trace"] == {}
 

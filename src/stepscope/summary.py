@@ -64,6 +64,18 @@ MAX_LOSS_STEPS = 1024
 
 
 @dataclass
+class Overhead:
+    """stepscope's own cost in this run, measured in it (instrument/own_cost.py): its hook handlers' time and its
+    threads' CPU over the measured steps, per measured step."""
+
+    us_per_step: float  # hooks + threads, µs per measured step
+    share: float | None  # of the mean measured step (0.01 = 1%); None without a step time
+    hooks_us_per_step: float
+    threads_us_per_step: float | None  # None where the threads' CPU cannot be read
+    how: str  # what was measured, and what was not
+
+
+@dataclass
 class PhaseStats:
     """One phase over the measured steps in which it ran. Host wall time; device time when CUDA-timed."""
 
@@ -285,6 +297,7 @@ class RunSummary:
     wall: Wall | None = None  # where the measured window's wall time went (per rank in a merged summary)
     invariants: list[str] = field(default_factory=list)  # the figures' broken invariants, one sentence each
     loss: LossSeries | None = None  # each measured step's training loss (per rank in a merged summary)
+    overhead: Overhead | None = None  # stepscope's own cost per step (the slowest rank's share in a merged summary)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -484,9 +497,16 @@ def _add_wall(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "wall": None, "invariants": [], "schema_version": 6}  # Throughput's wall rates have defaults
 
 
-def _add_loss(data: dict[str, Any]) -> dict[str, Any]:
-    return {**data, "loss": None, "schema_version": 7}
+def _add_loss_overhead(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "loss": None, "overhead": None, "schema_version": 7}
 
 
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
-_UPGRADES: dict[int, Any] = {1: _add_facts, 2: _add_series, 3: _add_eval, 4: _add_applied, 5: _add_wall, 6: _add_loss}
+_UPGRADES: dict[int, Any] = {
+    1: _add_facts,
+    2: _add_series,
+    3: _add_eval,
+    4: _add_applied,
+    5: _add_wall,
+    6: _add_loss_overhead,
+}

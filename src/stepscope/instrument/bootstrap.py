@@ -269,6 +269,7 @@ def _write_summary(tracker: Any, final: bool) -> None:
     config = tracker.config
     try:
         if final:
+            tracker.end_window()  # stepscope's own cost is counted before its threads stop
             if "checkpoints" in _state:
                 _state["checkpoints"].stop()  # no checkpoint may replace the final summary
             tracker.scope.close()  # the system sampler's last figures

@@ -342,6 +342,12 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
         throughput=throughput,
         wall=clock.wall if clock is not None else None,
         eval=_job_eval(ranks, clock),
+        # the job pays the costliest rank's share: a synchronous job runs at its slowest rank's pace
+        overhead=max(
+            (r.overhead for r in ranks if r.overhead is not None and r.overhead.share is not None),
+            key=lambda o: o.share or 0.0,
+            default=None,
+        ),
         meta=meta,
         notes=notes,
         ranks=ranks,

@@ -29,9 +29,10 @@ from stepscope.doctor import facts
 from stepscope.doctor.verdict import classify
 from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
+from stepscope.instrument.own_cost import overhead, own_threads_cpu_ns, threads_cpu_between
 from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope, own_scope_note, script_scopes
-from stepscope.summary import MAX_LOSS_STEPS, Epoch, Exit, LoaderInfo, LossSeries, RunSummary
+from stepscope.summary import MAX_LOSS_STEPS, Epoch, Exit, LoaderInfo, LossSeries, Overhead, RunSummary
 
 HOST_PHASES = frozenset({"data_wait"})
 # Scalar reads (.item(), .tolist()) made here are not the script's own: torch's optimizer and clipping code (Adam
@@ -114,17 +115,20 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def guarded(self: Tracker, *args: Any, **kwargs: Any) -> Any:
-        self._own_since = None if self._stack else self._clock()
+        entered = self._clock()
+        self._own_since = None if self._stack else entered
         try:
             return method(self, *args, **kwargs)
         except Exception as error:
             self.fail(error)
             return None
         finally:
+            left = self._clock()
+            self.hook_ns += left - entered  # stepscope's cost (summary.overhead), wherever the phases put it
             since = self._own_since
             if since is not None:
                 self._own_since = None
-                self.scope._add_own(self._clock() - since)
+                self.scope._add_own(left - since)
 
     return guarded
 
@@ -160,6 +164,10 @@ class Tracker:
         self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
         self._tensor: type = sys.modules["torch"].Tensor
         self._losses: list[tuple[int, Any]] = []  # (measured step, the detached scalar a backward began from)
+        # stepscope's own cost (own_cost.py): its handlers' time, its threads' CPU, at the measured window's ends
+        self.hook_ns = 0
+        self._window_start: tuple[int, dict[int, int] | None] = (0, own_threads_cpu_ns())
+        self._window_end: tuple[int, dict[int, int] | None] | None = None
         scope._phase_of = self.phase_at  # the stack sampler reads the phase stack, not the Scope's phases
         # profiler/NVTX ranges around phases (`stepscope run --trace/--nvtx`); no-ops otherwise
         self._range_push = scope._ranges.push
@@ -500,9 +508,22 @@ class Tracker:
 
     def stop_tracking(self) -> None:
         """Hooks pass straight through from now on."""
+        self.end_window()
         self.active = False
         self.count_scalars = False
         self.batch_ids = frozenset()
+
+    def end_window(self) -> None:
+        """The measured window has ended (the steps are measured, or the process is leaving): stepscope's own cost
+        is counted up to here, before its threads stop (the first call counts)."""
+        if self._window_end is None:
+            self._window_end = (self.hook_ns, own_threads_cpu_ns())
+
+    def _overhead(self, measured: int, step_ms: float | None) -> Overhead | None:
+        start_hooks, start_threads = self._window_start
+        end_hooks, end_threads = self._window_end or (self.hook_ns, own_threads_cpu_ns())
+        threads_ns = threads_cpu_between(start_threads, end_threads)
+        return overhead(end_hooks - start_hooks, threads_ns, measured, step_ms)
 
     def sync(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a host-device synchronisation as the ``sync`` phase (the op's own errors propagate)."""
@@ -691,7 +712,8 @@ class Tracker:
     # -- runtime facts -----------------------------------------------------------------------------------------
 
     def _begin_measuring(self) -> None:
-        """The measured window starts: the facts describe it, not the warm-up."""
+        """The measured window starts: the facts describe it, not the warm-up; so does stepscope's own cost."""
+        self._window_start = (self.hook_ns, own_threads_cpu_ns())
         self.probes_left = self.sdpa_probes_left = PROBES
         self._probed = {}
         dynamo = facts.dynamo_counters()
@@ -817,6 +839,7 @@ class Tracker:
                 f"(numbered from 0 in build order) before it ended",
             }
         summary.applied = self.fixes.results()
+        summary.overhead = self._overhead(measured, summary.throughput.step_time_ms)
         if drain and self._losses:
             try:
                 summary.loss = loss_series(self._losses)

@@ -123,6 +123,21 @@ def throughput_line(summary: RunSummary) -> str:
     return f"throughput: {rate} over {summary.steps.measured} measured steps (warm-up {summary.steps.warmup}{profiled})"
 
 
+OVERHEAD_SHOWN = 0.01  # of the step: below it, stepscope's own cost is in the JSON only
+
+
+def overhead_line(summary: RunSummary) -> str | None:
+    """stepscope's own cost per step and what it went to, when it is above 1% of the step; None otherwise."""
+    own = summary.overhead
+    if own is None or own.share is None or own.share <= OVERHEAD_SHOWN:
+        return None
+    threads = "" if own.threads_us_per_step is None else f", its threads {own.threads_us_per_step:,.0f} µs"
+    return (
+        f"stepscope's own cost: {own.us_per_step:,.0f} µs a step ({own.share:.1%} of the step, measured in the run): "
+        f"its hooks {own.hooks_us_per_step:,.0f} µs{threads}"
+    )
+
+
 def wall_line(summary: RunSummary) -> str | None:
     """The wall rate and where the measured window went, when it differs from the step rate by more than rounding
     (validation passes, time in no step); None when the window is the steps."""
@@ -366,6 +381,9 @@ def print_summary(summary: RunSummary, file: IO[str] | None = None, verdict_line
             )
             if contention:
                 console.print(terminal_safe(f"contention: {contention}"), markup=False)
+    line = overhead_line(summary)
+    if line:
+        console.print(terminal_safe(line), markup=False)
     if summary.pipeline:
         console.print(terminal_safe(pipeline_line(summary.pipeline)), markup=False)
     for line in trace_lines(summary.trace):
