@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from run_helpers import RunResult, script, stepscope_run
 
+from stepscope import cli
 from stepscope.instrument.apply import parse_fixes
 from stepscope.summary import RunSummary
 
@@ -135,10 +136,12 @@ def test_unparseable_script_is_a_note_not_a_crash(tmp_path):
     assert any("was not linted" in note and "line 2" in note for note in r.summary.notes), r.summary.notes
 
 
-def test_missing_script_is_exit_2(tmp_path):
-    r = doctor(tmp_path, str(tmp_path / "nope.py"))
-    assert r.returncode == 2
-    assert "cannot run" in r.stderr and "no such file" in r.stderr
+def test_missing_script_is_exit_2(tmp_path, capsys):
+    # The command's entry point in this process: nothing is started, so no Python process is needed to see it refuse.
+    code = cli.main(["doctor", "--json", str(tmp_path / "s.json"), str(tmp_path / "nope.py")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "cannot run" in err and "no such file" in err
 
 
 def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
