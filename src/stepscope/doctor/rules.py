@@ -1000,6 +1000,39 @@ def _threads(case: Case) -> Finding | None:
     return Finding(evidence, None, why, how=how, apply=f"host.threads={fit}")
 
 
+MIN_CHURN_SHARE = 0.03  # of the step: page faults that cost less are not worth a setting
+
+
+@rule(
+    "host.malloc_churn",
+    "Keep freed memory in the process instead of faulting it in again every step",
+    "glibc's malloc gives large freed blocks (activations, gradients) back to the kernel, and the next step faults "
+    "every page of them in again: a trap into the kernel and a zeroed page each. Its thresholds move with what the "
+    "process freed before, so the same script churns in one run and not in the next.",
+    "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864 in the environment (glibc), or LD_PRELOAD a "
+    "pooling allocator (libjemalloc.so.2, libtcmalloc.so.4), as PyTorch's CPU performance guide advises",
+    "config",
+)
+def _malloc_churn(case: Case) -> Finding | None:
+    malloc = case.facts.get("malloc") or {}
+    per_step, us = malloc.get("faults_per_step"), malloc.get("us_per_fault")
+    total = case.summary.phases.get(TOTAL)
+    step_ms = total.mean_ms if total is not None else None
+    if malloc.get("allocator") != "glibc" or malloc.get("tuned") or not per_step or not us or not step_ms:
+        return None
+    share = per_step * us / 1e3 / step_ms
+    if share < MIN_CHURN_SHARE:
+        return None
+    evidence = [
+        f"{per_step:,.0f} minor page faults a step in the training process, {us:.1f} µs each measured here (a "
+        f"256 KB block mapped, written and unmapped): {pct(min(share, 1.0))} of the step"
+    ]
+    return Finding(
+        evidence, min(share, 1.0), "at most the time its page faults take at the cost measured here",
+        apply="malloc.mmap_threshold",
+    )  # fmt: skip
+
+
 # -- host time by source line (RunSummary.hotspots, from the stack sampler) ---------------------------------------
 
 MIN_HOT_SAMPLES = 5  # stack samples on a line before a rule trusts it

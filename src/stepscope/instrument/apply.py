@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analyses.loader import WORKER_COUNT_WARNING
+from stepscope.collectors.malloc import GLIBC_MAX_MMAP_THRESHOLD, allocator, set_thresholds
 from stepscope.collectors.stacks import USER, CodeKinds
 
 BOOL_WORDS = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
@@ -60,6 +61,14 @@ FIXES = (
     Appliable("precision.bf16", "bool", True, "torch.autocast(bfloat16) around each model's outermost call"),
     Appliable(
         "host.threads", "count", None, "torch.set_num_threads(N) (intra-op threads), at import", minimum=1, maximum=256
+    ),
+    Appliable(
+        "malloc.mmap_threshold",
+        "count",
+        GLIBC_MAX_MMAP_THRESHOLD,
+        "glibc's mmap threshold at N bytes and its trim threshold at 2N (mallopt), at import",
+        minimum=128 * 1024,
+        maximum=GLIBC_MAX_MMAP_THRESHOLD,
     ),
 )
 APPLIABLE: dict[str, Appliable] = {fix.id: fix for fix in FIXES}
@@ -215,6 +224,7 @@ class Injector:
             (tuple(DDP_KWARGS), self._install_ddp),
             (("precision.bf16",), self._install_autocast),
             (("tf32", "cudnn.benchmark", "debug.anomaly", "debug.deterministic", "host.threads"), self._install_flags),
+            (("malloc.mmap_threshold",), self._install_malloc),
         ):
             wanted = {i: self.fixes[i] for i in ids if i in self.fixes}
             if not wanted:
@@ -579,6 +589,26 @@ class Injector:
             torch.set_num_threads(threads)
             guard("host.threads", torch, "set_num_threads", threads, lambda v: f"set_num_threads({v})")
             self._where["host.threads"].append(f"{threads} intra-op thread(s) from torch's import on")
+
+    # -- the allocator -------------------------------------------------------------------------------------------
+
+    def _install_malloc(self, patch: Callable[..., None], wanted: dict[str, Any]) -> None:
+        """Fix glibc's thresholds now: the script's allocations from here on (and its forked loader workers') keep
+        their pages instead of giving them back to the kernel at every free."""
+        threshold = wanted["malloc.mmap_threshold"]
+        running = allocator()
+        if running != "glibc":
+            self._why["malloc.mmap_threshold"].append(f"the process runs on {running}, not glibc's malloc")
+            return
+        set_thresholds(threshold)
+        self._where["malloc.mmap_threshold"].append(
+            f"glibc's mmap threshold {threshold:,} bytes and trim threshold {2 * threshold:,} from torch's import on"
+        )
+
+    def mmap_threshold(self) -> list[int]:
+        """The mmap threshold ``--apply malloc.mmap_threshold`` set in this process ([] when none)."""
+        fix = "malloc.mmap_threshold"
+        return [self.fixes[fix]] if fix in self.fixes and self._where[fix] else []
 
 
 def _materialize(params: Any) -> Any:

@@ -20,10 +20,11 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepscope.analyses.params import NO_AUDIT, ModelAuditor, NoAudit
 from stepscope.clock import HOST_ONLY
+from stepscope.collectors.malloc import allocator, minor_faults, tuned_in_env, us_per_fault
 from stepscope.collectors.stacks import DEFAULT_STACK_HZ
 from stepscope.doctor import facts
 from stepscope.doctor.verdict import classify
@@ -92,6 +93,17 @@ class RunConfig:
     nvtx: bool = False  # phases as NVTX ranges
     nsys_window: str | None = None  # "START:STOP": cudaProfilerStart/Stop around those steps
     apply: list[dict[str, Any]] = field(default_factory=list)  # `--apply`: fixes to inject, each {id, value}
+
+
+class _Mark(NamedTuple):
+    """Counters at one end of the measured window: stepscope's handler time, its threads' CPU, the page faults."""
+
+    hook_ns: int
+    threads_ns: dict[int, int] | None
+    faults: int
+
+
+MIN_FAULTS_TO_PRICE = 5  # page faults a step below which their cost is not measured (it cannot matter)
 
 
 @dataclass
@@ -166,8 +178,8 @@ class Tracker:
         self._losses: list[tuple[int, Any]] = []  # (measured step, the detached scalar a backward began from)
         # stepscope's own cost (own_cost.py): its handlers' time, its threads' CPU, at the measured window's ends
         self.hook_ns = 0
-        self._window_start: tuple[int, dict[int, int] | None] = (0, own_threads_cpu_ns())
-        self._window_end: tuple[int, dict[int, int] | None] | None = None
+        self._window_start = self._mark()
+        self._window_end: _Mark | None = None
         scope._phase_of = self.phase_at  # the stack sampler reads the phase stack, not the Scope's phases
         # profiler/NVTX ranges around phases (`stepscope run --trace/--nvtx`); no-ops otherwise
         self._range_push = scope._ranges.push
@@ -517,13 +529,30 @@ class Tracker:
         """The measured window has ended (the steps are measured, or the process is leaving): stepscope's own cost
         is counted up to here, before its threads stop (the first call counts)."""
         if self._window_end is None:
-            self._window_end = (self.hook_ns, own_threads_cpu_ns())
+            self._window_end = self._mark()
+
+    def _mark(self) -> _Mark:
+        return _Mark(self.hook_ns, own_threads_cpu_ns(), minor_faults())
 
     def _overhead(self, measured: int, step_ms: float | None) -> Overhead | None:
-        start_hooks, start_threads = self._window_start
-        end_hooks, end_threads = self._window_end or (self.hook_ns, own_threads_cpu_ns())
-        threads_ns = threads_cpu_between(start_threads, end_threads)
-        return overhead(end_hooks - start_hooks, threads_ns, measured, step_ms)
+        start, end = self._window_start, self._window_end or self._mark()
+        threads_ns = threads_cpu_between(start.threads_ns, end.threads_ns)
+        return overhead(end.hook_ns - start.hook_ns, threads_ns, measured, step_ms)
+
+    def _malloc_facts(self, measured: int) -> dict[str, Any]:
+        """The allocator and its page faults over the measured steps; a fault's cost is measured here (once, after
+        the window: ~5 ms) only when there are enough faults for it to matter."""
+        start, end = self._window_start, self._window_end or self._mark()
+        per_step = (end.faults - start.faults) / measured if measured else None
+        found: dict[str, Any] = {
+            "allocator": allocator(),
+            "faults_per_step": None if per_step is None else round(per_step, 1),
+            "us_per_fault": None,
+            "tuned": tuned_in_env() + [f"malloc.mmap_threshold={v}" for v in self.fixes.mmap_threshold()],
+        }
+        if per_step is not None and per_step >= MIN_FAULTS_TO_PRICE:
+            found["us_per_fault"] = round(us_per_fault(), 3)
+        return found
 
     def sync(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a host-device synchronisation as the ``sync`` phase (the op's own errors propagate)."""
@@ -713,7 +742,7 @@ class Tracker:
 
     def _begin_measuring(self) -> None:
         """The measured window starts: the facts describe it, not the warm-up; so does stepscope's own cost."""
-        self._window_start = (self.hook_ns, own_threads_cpu_ns())
+        self._window_start = self._mark()
         self.probes_left = self.sdpa_probes_left = PROBES
         self._probed = {}
         dynamo = facts.dynamo_counters()
@@ -849,6 +878,8 @@ class Tracker:
         summary.params = [a.to_dict() for a in audits]
         try:
             summary.facts = self.runtime_facts()
+            if drain:  # the fault pricing maps memory: at the end only, never in a checkpoint between steps
+                summary.facts["malloc"] = self._malloc_facts(measured)
         except Exception as error:  # a fact that cannot be read must not cost the figures
             self.facts_failure = f"{type(error).__name__}: {error}"
         if summary.throughput.mfu is not None:

@@ -55,6 +55,8 @@ KEEP = {
     "loader.prefetch": "DataLoader(..., prefetch_factor={value})",
     "loader.pin_memory": "DataLoader(..., pin_memory={value})",
     "host.threads": "torch.set_num_threads({value}) before training (or OMP_NUM_THREADS={value} in the environment)",
+    "malloc.mmap_threshold": "MALLOC_MMAP_THRESHOLD_={value} and MALLOC_TRIM_THRESHOLD_ at twice it in the "
+    "environment (or LD_PRELOAD jemalloc or TCMalloc)",
     "optimizer.foreach": "torch.optim.<Optimizer>(..., foreach={value})",
     "optimizer.fused": "torch.optim.<Optimizer>(..., fused={value})",
     "zero_grad.set_to_none": "optimizer.zero_grad(set_to_none={value})",

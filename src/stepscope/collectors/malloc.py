@@ -1,0 +1,74 @@
+"""The training process's memory allocator: which one it is, how often the kernel faults pages into the process
+during the measured steps, what one such fault costs on this machine, and glibc's thresholds.
+
+glibc's malloc gives large freed blocks back to the kernel: a block above its mmap threshold is unmapped when freed,
+and free memory above the trim threshold at the top of the heap is returned. A training step that allocates and
+frees activations of a few hundred KB can then hand them back every step and fault every page in again in the next
+one. Its thresholds start at 128 KB and move with what the process freed before, so the same script churns or not
+depending on what ran first (on a 2-core VM, `tests/scripts/malloc_churn.py` took 380-910 page faults a step in
+five identical runs). Fixed thresholds, or a pooling allocator (jemalloc, TCMalloc), keep the pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import resource
+import time
+
+GLIBC_MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc refuses a larger mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+TUNING_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+POOLING = ("jemalloc", "tcmalloc", "mimalloc")
+CHURN_BLOCK = 256 * 1024  # the calibration's block: an activation of a small model
+CHURN_ROUNDS = 16  # 1,024 faults of 4 KB pages: ~5 ms here, once, when the run ends
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread; not its child processes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def allocator() -> str:
+    """The malloc this process runs on: a pooling allocator mapped into it (jemalloc, tcmalloc, mimalloc, by
+    LD_PRELOAD or linking), else "glibc" on glibc, else "other"."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    for name in POOLING:
+        if f"lib{name}" in maps:
+            return name
+    return "glibc" if platform.libc_ver()[0] == "glibc" else "other"
+
+
+def tuned_in_env() -> list[str]:
+    """The environment's settings of glibc's malloc thresholds, as ``NAME=VALUE``."""
+    found = [f"{name}={os.environ[name]}" for name in TUNING_ENV if name in os.environ]
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    found += [f"GLIBC_TUNABLES={part}" for part in tunables.split(":") if part.startswith("glibc.malloc.")]
+    return found
+
+
+def us_per_fault(block: int = CHURN_BLOCK, rounds: int = CHURN_ROUNDS) -> float:
+    """What one page fault of allocator churn costs on this machine now, µs: a block mapped, each page written,
+    and unmapped, as glibc does with a freed block (a VM's nested paging makes it several µs)."""
+    page = mmap.PAGESIZE
+    start = time.perf_counter_ns()
+    for _ in range(rounds):
+        mapped = mmap.mmap(-1, block)
+        for offset in range(0, block, page):
+            mapped[offset] = 1
+        mapped.close()
+    return (time.perf_counter_ns() - start) / 1e3 / (rounds * (block // page))
+
+
+def set_thresholds(mmap_threshold: int) -> None:
+    """Fix glibc's mmap threshold at ``mmap_threshold`` bytes and its trim threshold at twice that (the ratio its
+    own dynamic rule keeps), for this process and the processes it forks; ValueError when glibc refuses."""
+    libc = ctypes.CDLL(None)
+    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)):
+        raise ValueError(f"glibc's mallopt refused an mmap threshold of {mmap_threshold} bytes")
