@@ -30,11 +30,12 @@ demo: $(VENV)/.base
 doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
-# Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves. Each test
-# file runs whole on one worker, so a file's module-scoped fixtures start their training processes once: almost all
-# of the suite's time is those processes' start-up (torch and torch._dynamo, ~3 s of CPU each).
+# Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves. A module's
+# tests that share a module-scoped fixture stay on one worker (tests/conftest.py groups them), so the training run
+# they share starts once: almost all of the suite's time is such processes' start-up (torch and torch._dynamo, ~3 s
+# of CPU each). The other tests spread freely (whole files per worker left one worker alone on the slowest file).
 test: $(VENV)/.installed lint chromium
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=15
 	$(PY) -m pytest -q -m serial --durations=5
 
 # The HTML report's render test loads the page in headless Chromium. Install Debian's when it is missing and

@@ -222,3 +222,21 @@ def locked_folder(tmp_path: Path) -> Iterator[Path]:
         if undo is not None:
             subprocess.run(undo, check=True, capture_output=True, timeout=30)
         folder.chmod(0o700)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep a module's tests that read a module-scoped fixture (a training run they share) on one xdist worker
+    (`make test` runs ``--dist loadgroup``): split across two, the run would start twice. Every other test is
+    spread freely, so no worker is left with a whole slow file at the end."""
+    for item in items:
+        infos = getattr(item, "_fixtureinfo", None)
+        if infos is None:
+            continue
+        shared = any(
+            defs[-1].scope == "module" and defs[-1].baseid.split("::")[0] == item.nodeid.split("::")[0]
+            for defs in infos.name2fixturedefs.values()
+            if defs
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
