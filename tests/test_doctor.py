@@ -101,8 +101,13 @@ def test_item_every_step_is_flagged_with_its_line(tmp_path):
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert s.verdict.bound in ("compute", "balanced"), r.describe()
-    assert first_fix(s) == "host.sync", r.describe()
-    fix = s.fixes[0]
+    ids = [f.id for f in s.fixes]
+    assert "host.sync" in ids, r.describe()
+    fix = s.fixes[ids.index("host.sync")]
+    # First, unless a fix the measurements bound outranks it: glibc's page-fault churn can (its 2 MB activations
+    # are handed back to the kernel every step in some runs: 270-340 faults a step, host.malloc_churn).
+    assert all(f.gain_bound is not None for f in s.fixes[: ids.index("host.sync")]), r.describe()
+    assert set(ids[: ids.index("host.sync")]) <= {"host.malloc_churn"}, r.describe()
     assert fix.cost == "code"
     assert s.counters["item_calls"] == pytest.approx(1.0)
     assert "line 20: losses.append(loss.item())" in fix.evidence, fix.evidence

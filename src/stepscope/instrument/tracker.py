@@ -178,6 +178,7 @@ class Tracker:
         self._losses: list[tuple[int, Any]] = []  # (measured step, the detached scalar a backward began from)
         # stepscope's own cost (own_cost.py): its handlers' time, its threads' CPU, at the measured window's ends
         self.hook_ns = 0
+        self._training_thread = threading.get_native_id()  # whose page faults are the step's (malloc facts)
         self._window_start = self._mark()
         self._window_end: _Mark | None = None
         scope._phase_of = self.phase_at  # the stack sampler reads the phase stack, not the Scope's phases
@@ -532,7 +533,7 @@ class Tracker:
             self._window_end = self._mark()
 
     def _mark(self) -> _Mark:
-        return _Mark(self.hook_ns, own_threads_cpu_ns(), minor_faults())
+        return _Mark(self.hook_ns, own_threads_cpu_ns(), minor_faults(self._training_thread))
 
     def _overhead(self, measured: int, step_ms: float | None) -> Overhead | None:
         start, end = self._window_start, self._window_end or self._mark()
