@@ -224,11 +224,24 @@ def locked_folder(tmp_path: Path) -> Iterator[Path]:
         folder.chmod(0o700)
 
 
+# The suite's longest tests (20-80 s each: real A/Bs, verifications, a tune search), started first: xdist hands out
+# tests in collection order, and these, alphabetically late, otherwise left one worker running alone at the end.
+SLOW_FIRST = (
+    "tests/test_tune.py::test_tune_finds_the_thread_count_of_a_real_script",
+    "tests/test_verify.py::test_a_starved_loaders_worker_fix_is_verified_faster_and_ranked_first",
+    "tests/test_ab.py::test_real_starved_loader_gain_is_found_with_3_runs_and_an_a_a_reads_no_difference",
+    "tests/test_doctor.py::test_doctor_sweep_ranks_the_loader_settings_by_the_runs_own_step",
+    "tests/test_verify.py::test_a_fix_that_does_nothing_reads_no_detectable_difference",
+    "tests/test_ab.py::test_real_ab_finds_a_halved_step",
+)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep a module's tests that read a module-scoped fixture (a training run they share) on one xdist worker
-    (`make test` runs ``--dist loadgroup``): split across two, the run would start twice. Every other test is
-    spread freely, so no worker is left with a whole slow file at the end."""
+    """Start the slowest tests first (``SLOW_FIRST``), and keep a module's tests that read a module-scoped fixture
+    (a training run they share) on one xdist worker (`make test` runs ``--dist loadgroup``): split across two, the
+    run would start twice. Every other test is spread freely, so no worker is left with a whole file at the end."""
+    items.sort(key=lambda item: SLOW_FIRST.index(item.nodeid) if item.nodeid in SLOW_FIRST else len(SLOW_FIRST))
     for item in items:
         infos = getattr(item, "_fixtureinfo", None)
         if infos is None:
