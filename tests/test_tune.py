@@ -266,6 +266,39 @@ def test_a_worker_count_that_lost_is_tried_again_once_another_knob_moved_the_bou
     assert result.speedup == pytest.approx(26.0 / 11.6, rel=0.03)
 
 
+def test_a_doctor_fix_that_read_no_faster_behind_another_bound_is_measured_again_on_the_new_best():
+    # The loader without workers takes 30 ms a step, computing overlaps nothing: anomaly mode (4 ms of compute)
+    # reads no faster while the loader bounds the step (a worker keeps up only once compute is under 12 ms). Once
+    # 2 workers are kept, the doctor still advises anomaly off, and now it is 4 ms of a 14 ms step.
+    summary = diagnosis(0, 2)
+    anomaly = Fix("debug.anomaly", "Anomaly off", "", [], "", "config", 0.16, apply="debug.anomaly=off")
+    summary.fixes = [Fix(WORKERS, "More workers", "", [], "", "config", 0.4, apply=f"{WORKERS}=2"), anomaly]
+
+    def ms(apply: list[dict]) -> float:
+        chosen = {f["id"]: f["value"] for f in apply}
+        workers = chosen.get(WORKERS, 0)
+        compute = 10.0 + (0.0 if chosen.get("debug.anomaly") is False else 4.0)
+        return 30.0 if workers == 0 else max(24.0 / workers, compute)
+
+    calls: list[list[str]] = []
+    plan, _ = _plan(model_runner({}, calls, ms=ms))
+
+    def diagnose(arguments: list[str]) -> RunSummary:
+        again = diagnosis(*_settings_of(parse_fixes(arguments)))
+        again.fixes = [anomaly]
+        return again
+
+    plan.diagnose = diagnose
+    result = search(plan, summary)
+    anomaly_trials = [t for t in result.trials if t.candidate == "debug.anomaly=off"]
+    assert anomaly_trials[0].round == 1 and not anomaly_trials[0].kept, result.trials
+    assert any(t.kept for t in anomaly_trials[1:]), [(t.round, t.stage, t.reason) for t in result.trials]
+    chosen = {f["id"]: f["value"] for f in parse_fixes(result.best_apply)}
+    assert chosen.get("debug.anomaly") is False and chosen.get(WORKERS, 0) >= 2, result.best_apply
+    # Measured once more, not in every round: the doctor advises it on every best.
+    assert len({t.round for t in anomaly_trials}) == 2, [(t.round, t.stage) for t in anomaly_trials]
+
+
 def test_nothing_faster_keeps_the_script_as_it_is():
     flat = dict.fromkeys(STEP_MS, 11.0)
     calls: list[list[str]] = []
