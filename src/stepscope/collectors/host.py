@@ -356,6 +356,11 @@ def thread_busy_ns() -> int | None:
         return None
 
 
+def parse_on_cpu(text: str) -> int:
+    """Time on a CPU (ns) from a schedstat line (its first field)."""
+    return int(text.split()[0])
+
+
 def parse_schedstat(text: str) -> int:
     """Run-queue delay (ns) from a schedstat line: ``<ns on a CPU> <ns runnable but waiting> <timeslices>``."""
     return int(text.split()[1])

@@ -26,12 +26,10 @@ CHURN_BLOCK = 256 * 1024  # the calibration's block: an activation of a small mo
 CHURN_ROUNDS = 16  # 1,024 faults of 4 KB pages: ~5 ms here, once, when the run ends
 
 
-def minor_faults(native_id: int | None = None) -> int:
-    """Minor page faults so far of one thread of this process (by native id; the calling one by default): the
-    training thread's own, not those of stepscope's samplers or the script's other threads. The whole process's
-    where /proc cannot tell threads apart."""
-    if native_id is None:
-        return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+def minor_faults(native_id: int) -> int:
+    """Minor page faults so far of one thread of this process, by native id: the training thread's own, not those
+    of stepscope's samplers or the script's other threads. The whole process's where /proc cannot tell threads
+    apart."""
     try:
         with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)", which may hold spaces

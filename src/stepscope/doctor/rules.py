@@ -1020,15 +1020,15 @@ def _malloc_churn(case: Case) -> Finding | None:
     step_ms = total.mean_ms if total is not None else None
     if malloc.get("allocator") != "glibc" or malloc.get("tuned") or not per_step or not us or not step_ms:
         return None
-    share = per_step * us / 1e3 / step_ms
+    share = min(per_step * us / 1e3 / step_ms, 1.0)
     if share < MIN_CHURN_SHARE:
         return None
     evidence = [
         f"{per_step:,.0f} minor page faults a step in the training process, {us:.1f} µs each measured here (a "
-        f"256 KB block mapped, written and unmapped): {pct(min(share, 1.0))} of the step"
+        f"256 KB block mapped, written and unmapped): {pct(share)} of the step"
     ]
     return Finding(
-        evidence, min(share, 1.0), "at most the time its page faults take at the cost measured here",
+        evidence, share, "at most the time its page faults take at the cost measured here",
         apply="malloc.mmap_threshold",
     )  # fmt: skip
 

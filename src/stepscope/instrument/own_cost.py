@@ -16,29 +16,27 @@ from __future__ import annotations
 import os
 import threading
 
+from stepscope.collectors.host import parse_on_cpu
 from stepscope.summary import Overhead
 
 OWN_THREAD_PREFIX = "stepscope-"
-HOW = (
-    "measured in this run: the clock at the entry and exit of each of stepscope's hook handlers, and the on-CPU "
-    "time of its own threads (schedstat), over the measured steps; the wrappers' own frames around torch calls "
-    "that open no event are not counted"
-)
-HOW_NO_THREADS = HOW.replace(", and the on-CPU time of its own threads (schedstat)", " (its threads' CPU is not "
-                             "measured here: no /proc/self/task/<tid>/schedstat)")  # fmt: skip
+_HOOKS = "measured in this run: the clock at the entry and exit of each of stepscope's hook handlers"
+_REST = "over the measured steps; the wrappers' own frames around torch calls that open no event are not counted"
+HOW = f"{_HOOKS}, and the on-CPU time of its own threads (schedstat), {_REST}"
+HOW_NO_THREADS = f"{_HOOKS} (its threads' CPU is not measured here: no /proc/self/task/<tid>/schedstat), {_REST}"
 
 
 def own_threads_cpu_ns() -> dict[int, int] | None:
     """The on-CPU time so far (ns) of each live stepscope thread, by native thread id; None where the kernel does
     not report it (no procfs schedstat: macOS, kernels without schedstats)."""
-    found: dict[int, int] = {}
-    threads = [t.native_id for t in threading.enumerate() if t.name.startswith(OWN_THREAD_PREFIX) and t.native_id]
     if not os.path.exists("/proc/thread-self/schedstat"):
         return None
+    found: dict[int, int] = {}
+    threads = [t.native_id for t in threading.enumerate() if t.name.startswith(OWN_THREAD_PREFIX) and t.native_id]
     for tid in threads:
         try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                found[tid] = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                found[tid] = parse_on_cpu(f.read())
         except (OSError, ValueError, IndexError):
             continue  # it ended between the listing and the read: its time since the last snapshot is lost
     return found

@@ -535,15 +535,19 @@ class Tracker:
     def _mark(self) -> _Mark:
         return _Mark(self.hook_ns, own_threads_cpu_ns(), minor_faults(self._training_thread))
 
+    def _window(self) -> tuple[_Mark, _Mark]:
+        """The measured window's counters at its start and its end (now, while it is still open)."""
+        return self._window_start, self._window_end or self._mark()
+
     def _overhead(self, measured: int, step_ms: float | None) -> Overhead | None:
-        start, end = self._window_start, self._window_end or self._mark()
+        start, end = self._window()
         threads_ns = threads_cpu_between(start.threads_ns, end.threads_ns)
         return overhead(end.hook_ns - start.hook_ns, threads_ns, measured, step_ms)
 
     def _malloc_facts(self, measured: int) -> dict[str, Any]:
         """The allocator and its page faults over the measured steps; a fault's cost is measured here (once, after
         the window: ~5 ms) only when there are enough faults for it to matter."""
-        start, end = self._window_start, self._window_end or self._mark()
+        start, end = self._window()
         per_step = (end.faults - start.faults) / measured if measured else None
         found: dict[str, Any] = {
             "allocator": allocator(),

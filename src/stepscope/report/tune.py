@@ -106,15 +106,15 @@ def loss_headline(loss: LossComparison) -> str:
 
 def loss_rows(loss: LossComparison, edge: int = 3) -> list[str]:
     """The first and last ``edge`` steps side by side, baseline then tuned, as aligned text."""
-    shown = range(len(loss.steps))
-    if len(loss.steps) > 2 * edge:
-        shown = [*range(edge), *range(len(loss.steps) - edge, len(loss.steps))]
-    rows = [f"{'step':>6} {'baseline':>12} {'tuned':>12}"]
-    for i in shown:
-        if rows and i == len(loss.steps) - edge and len(loss.steps) > 2 * edge:
-            rows.append(f"{'...':>6}")
-        rows.append(f"{loss.steps[i]:>6} {_loss_text(loss.baseline[i]):>12} {_loss_text(loss.tuned[i]):>12}")
-    return rows
+
+    def row(i: int) -> str:
+        return f"{loss.steps[i]:>6} {_loss_text(loss.baseline[i]):>12} {_loss_text(loss.tuned[i]):>12}"
+
+    count = len(loss.steps)
+    head = f"{'step':>6} {'baseline':>12} {'tuned':>12}"
+    if count <= 2 * edge:
+        return [head, *map(row, range(count))]
+    return [head, *map(row, range(edge)), f"{'...':>6}", *map(row, range(count - edge, count))]
 
 
 def _loss_text(value: float | None) -> str:
