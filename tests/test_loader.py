@@ -1087,3 +1087,26 @@ def test_how_busy_the_fetch_keeps_the_training_process():
     assert computing.busy_pct is not None and computing.busy_pct > 80, computing.busy_pct
     assert "so it mostly waits (storage, network, a sleep)" in sleeping.meaning, sleeping.meaning
     assert "so it computes: workers help up to the cores" in computing.meaning, computing.meaning
+
+
+def _waiting(workers: int, interval_ms: float) -> SweepTrial:
+    """A complete trial whose workers each use 5% of a core: they mostly wait."""
+    waiting = trial(workers, interval_ms, main_ms=0.1)
+    waiting.workers_cpu_pct = 5.0 * workers
+    return waiting
+
+
+def test_one_waiting_worker_slower_than_none_is_still_doubled():
+    # On a loaded machine one worker that sleeps per sample read 10-20% under loading in the training process (CI:
+    # the sweep then stopped at 0 workers for a 2 ms sleep a sample). Two overlap twice the waits: try them.
+    none, one = trial(0, 10.0, main_ms=10.0), _waiting(1, 12.5)
+    none.workers_cpu_pct = 0.0
+    assert loader_mod._widest([none, one]) is one
+    assert loader_mod._beyond_cores(one, [none.settings, one.settings])[0].num_workers == 2
+    # ... and the doubling stops where more workers stop keeping up with the fastest count measured
+    two, four = _waiting(2, 6.0), _waiting(4, 8.0)
+    assert loader_mod._widest([none, one, two]) is two
+    assert loader_mod._widest([none, one, two, four]) is None
+    busy = _waiting(2, 6.0)
+    busy.workers_cpu_pct = 190.0  # computing workers: more need more cores, the cap holds
+    assert loader_mod._widest([none, one, busy]) is None

@@ -41,8 +41,7 @@ MEMORY_SAFETY = 0.8  # a setting is safe when its peak RSS stays under this shar
 SWEEP_INTERVAL_S = 0.1  # RSS/CPU sampling period during a sweep trial
 WAITING_WORKERS_CPU = 0.5  # workers using less than half a core each mostly wait: more of them than cores can help
 MAX_WORKERS = 32
-# Past the cap, the most workers so far are doubled while they keep within 10% of the fastest trial: at a cap of 1
-# a single waiting worker only moves the waits out of the main process and may measure no faster than none.
+# Past the cap, the most workers so far are doubled while they keep within 10% of the fastest trial with workers.
 KEEP_UP = 0.9
 # Ranked by a training step's rate, settings within 2% of the fastest tie (the step sets their pace): the fewest
 # workers among them is named best.
@@ -621,11 +620,13 @@ def _beyond_cores(widest: SweepTrial, tried: list[LoaderSettings]) -> list[Loade
 
 def _widest(trials: list[SweepTrial]) -> SweepTrial | None:
     """The fastest trial with the most workers, when its workers mostly wait and it keeps up with the fastest trial
-    of all: the one to double; None otherwise."""
-    measured = [t for t in trials if _complete(t) and t.workers_cpu_pct is not None]
-    most = max((t.settings.num_workers for t in measured), default=0)
-    if most == 0:
+    with workers: the one to double; None otherwise. Loading in the training process (num_workers=0) is no measure:
+    one waiting worker does the same waits in turn plus a hand-over, so it can read slower than none (on a loaded
+    machine 10% slower and more) while two overlap twice the waits."""
+    measured = [t for t in trials if _complete(t) and t.workers_cpu_pct is not None and t.settings.num_workers > 0]
+    if not measured:
         return None
+    most = max(t.settings.num_workers for t in measured)
     widest = max((t for t in measured if t.settings.num_workers == most), key=_rate)
     keeps_up = _rate(widest) >= KEEP_UP * max(_rate(t) for t in measured)
     waiting = widest.workers_cpu_pct < WAITING_WORKERS_CPU * 100 * most  # type: ignore[operator]
