@@ -184,3 +184,22 @@ def test_settings_that_keep_numerics_show_no_loss_table_and_gaps_are_skipped():
     out = io.StringIO()
     print_tune(TuneResult(baseline_steps_per_s=1.0, best_apply=["x=1"], loss=loss), RunSummary(), ["t.py"], file=out)
     assert "loss of the same steps" not in out.getvalue()
+
+
+def test_the_loss_buffer_sums_micro_batches_in_place_and_keeps_no_tensor_a_step():
+    from stepscope.instrument.loss import LossBuffer
+
+    kept = LossBuffer(steps=4)
+    kept.add(0, torch.tensor(1.5))
+    kept.add(0, torch.tensor([0.25], dtype=torch.bfloat16))  # a second micro-batch, another dtype and shape
+    kept.add(2, torch.tensor(float("nan")))
+    kept.add(4, torch.tensor(9.0))  # past the buffer: not kept
+    (sums,) = kept._sums.values()
+    before = sums.data_ptr()
+    for _ in range(100):
+        kept.add(3, torch.tensor(0.01))
+    assert len(kept._sums) == 1 and sums.data_ptr() == before  # one buffer, written in place
+    series = kept.series()
+    assert series.steps == [0, 2, 3] and series.values[0] == 1.75 and series.values[1] is None
+    assert series.values[2] == pytest.approx(1.0, rel=1e-5)
+    assert LossBuffer().series() is None

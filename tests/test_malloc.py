@@ -61,9 +61,11 @@ def test_a_fault_is_priced_on_this_machine():
 
 
 def test_doctor_finds_the_churn_and_the_applied_thresholds_end_it(tmp_path):
-    # 60 iterations, fewer than the steps asked for: the script runs to its end and prints its own count
-    churn = (script("malloc_churn.py"), "--iters", "60")
-    doctor = stepscope_run(tmp_path / "doctor", *churn, warmup=5, steps=100, verb="doctor")
+    # 120 iterations, fewer than the steps asked for: the script runs to its end and prints its own count. Even with
+    # the thresholds fixed glibc grows its heap by a 4 MB gradient now and then (1,024 faults at once); 115 measured
+    # steps keep a few of those under a tenth of the churn.
+    churn = (script("malloc_churn.py"), "--iters", "120")
+    doctor = stepscope_run(tmp_path / "doctor", *churn, warmup=5, steps=200, verb="doctor")
     assert doctor.returncode == 0, doctor.describe()
     malloc = doctor.summary.facts["malloc"]
     own = float(next(line for line in doctor.stdout.splitlines() if line.startswith("faults_per_step")).split()[1])
@@ -72,11 +74,11 @@ def test_doctor_finds_the_churn_and_the_applied_thresholds_end_it(tmp_path):
     assert malloc["us_per_fault"] > 0, malloc
     fix = next(f for f in doctor.summary.fixes if f.id == "host.malloc_churn")
     assert fix.apply == "malloc.mmap_threshold", fix
-    applied = stepscope_run(tmp_path / "applied", "--apply", fix.apply, *churn, warmup=5, steps=100)
+    applied = stepscope_run(tmp_path / "applied", "--apply", fix.apply, *churn, warmup=5, steps=200)
     assert applied.returncode == 0, applied.describe()
     summary = applied.summary
     (entry,) = summary.applied
-    assert entry["applied"] and "trim threshold 67,108,864" in entry["where"], entry
+    assert entry["applied"] and "trim threshold 67,108,864 from the process's start" in entry["where"], entry
     tuned = summary.facts["malloc"]
     assert tuned["tuned"] == ["malloc.mmap_threshold=33554432"], tuned
     assert tuned["faults_per_step"] < 0.1 * malloc["faults_per_step"], (tuned, malloc)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analyses.loader import WORKER_COUNT_WARNING
-from stepscope.collectors.malloc import GLIBC_MAX_MMAP_THRESHOLD, allocator, set_thresholds
+from stepscope.collectors.malloc import GLIBC_MAX_MMAP_THRESHOLD, allocator, set_thresholds, threshold_env
 from stepscope.collectors.stacks import USER, CodeKinds
 
 BOOL_WORDS = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
@@ -66,7 +67,7 @@ FIXES = (
         "malloc.mmap_threshold",
         "count",
         GLIBC_MAX_MMAP_THRESHOLD,
-        "glibc's mmap threshold at N bytes and its trim threshold at 2N (mallopt), at import",
+        "glibc's mmap threshold at N bytes and its trim threshold at 2N (environment, and mallopt at import)",
         minimum=128 * 1024,
         maximum=GLIBC_MAX_MMAP_THRESHOLD,
     ),
@@ -601,8 +602,13 @@ class Injector:
             self._why["malloc.mmap_threshold"].append(f"the process runs on {running}, not glibc's malloc")
             return
         set_thresholds(threshold)
+        since = (
+            "the process's start (environment)"
+            if threshold_env(threshold).items() <= os.environ.items()
+            else ("torch's import on")
+        )
         self._where["malloc.mmap_threshold"].append(
-            f"glibc's mmap threshold {threshold:,} bytes and trim threshold {2 * threshold:,} from torch's import on"
+            f"glibc's mmap threshold {threshold:,} bytes and trim threshold {2 * threshold:,} from {since}"
         )
 
     def mmap_threshold(self) -> list[int]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from stepscope.collectors.malloc import TUNING_ENV, threshold_env
 from stepscope.doctor.verdict import classify
 from stepscope.instrument import LaunchError
 from stepscope.instrument.bootstrap import ENV_CONFIG
@@ -75,6 +76,9 @@ def _child_env(config: RunConfig, extra: dict[str, str] | None = None) -> dict[s
     existing = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(package_root), *([existing] if existing else [])])
     env[ENV_CONFIG] = json.dumps(dataclasses.asdict(config))
+    for fix in config.apply:
+        if fix["id"] == "malloc.mmap_threshold" and not any(name in env for name in TUNING_ENV):
+            env.update(threshold_env(fix["value"]))  # the user's own malloc settings win; mallopt still runs
     return env
 
 

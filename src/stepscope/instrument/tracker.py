@@ -14,7 +14,6 @@ its backward calls: the step closes when the next iteration begins (next fetch, 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import threading
 import weakref
@@ -24,16 +23,17 @@ from typing import Any, NamedTuple
 
 from stepscope.analyses.params import NO_AUDIT, ModelAuditor, NoAudit
 from stepscope.clock import HOST_ONLY
-from stepscope.collectors.malloc import allocator, minor_faults, tuned_in_env, us_per_fault
+from stepscope.collectors.malloc import allocator, minor_faults, threshold_env, tuned_in_env, us_per_fault
 from stepscope.collectors.stacks import DEFAULT_STACK_HZ
 from stepscope.doctor import facts
 from stepscope.doctor.verdict import classify
 from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
+from stepscope.instrument.loss import LossBuffer
 from stepscope.instrument.own_cost import overhead, own_threads_cpu_ns, threads_cpu_between
 from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope, own_scope_note, script_scopes
-from stepscope.summary import MAX_LOSS_STEPS, Epoch, Exit, LoaderInfo, LossSeries, Overhead, RunSummary
+from stepscope.summary import MAX_LOSS_STEPS, Epoch, Exit, LoaderInfo, Overhead, RunSummary
 
 HOST_PHASES = frozenset({"data_wait"})
 # Scalar reads (.item(), .tolist()) made here are not the script's own: torch's optimizer and clipping code (Adam
@@ -145,22 +145,6 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def loss_series(kept: list[tuple[int, Any]]) -> LossSeries:
-    """Each step's loss from the (measured step, scalar tensor) pairs its backward passes began from, summed per
-    step; read in one transfer per device, which waits for the device once, at the end of the run."""
-    values: dict[int, float] = {}
-    by_device: dict[Any, list[tuple[int, Any]]] = {}
-    for step, tensor in kept:
-        by_device.setdefault(tensor.device, []).append((step, tensor))
-    torch = sys.modules["torch"]
-    for pairs in by_device.values():
-        read = torch.stack([t.reshape(()).float() for _, t in pairs]).tolist()
-        for (step, _), value in zip(pairs, read, strict=True):
-            values[step] = values.get(step, 0.0) + value
-    steps = sorted(values)
-    return LossSeries(steps, [values[s] if math.isfinite(values[s]) else None for s in steps])
-
-
 class Tracker:
     """Turns hook events into exclusive phase time, step boundaries, loader epochs and per-step counters."""
 
@@ -175,7 +159,7 @@ class Tracker:
         self._fetch_loader: int | None = None
         self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
         self._tensor: type = sys.modules["torch"].Tensor
-        self._losses: list[tuple[int, Any]] = []  # (measured step, the detached scalar a backward began from)
+        self._losses = LossBuffer()  # each measured step's loss, kept on its device
         # stepscope's own cost (own_cost.py): its handlers' time, its threads' CPU, at the measured window's ends
         self.hook_ns = 0
         self._training_thread = threading.get_native_id()  # whose page faults are the step's (malloc facts)
@@ -427,7 +411,7 @@ class Tracker:
         if isinstance(root, (list, tuple)) and len(root) == 1:
             root = root[0]
         if isinstance(root, self._tensor) and root.numel() == 1:
-            self._losses.append((recorder.measured, root.detach()))
+            self._losses.add(recorder.measured, root)
 
     @property
     def backward_open(self) -> bool:
@@ -544,6 +528,13 @@ class Tracker:
         threads_ns = threads_cpu_between(start.threads_ns, end.threads_ns)
         return overhead(end.hook_ns - start.hook_ns, threads_ns, measured, step_ms)
 
+    def _malloc_tuning(self) -> list[str]:
+        """The malloc settings in force: the environment's, less what ``--apply malloc.mmap_threshold`` put there
+        itself (named once, as the fix)."""
+        applied = self.fixes.mmap_threshold()
+        own = {f"{name}={value}" for v in applied for name, value in threshold_env(v).items()}
+        return [x for x in tuned_in_env() if x not in own] + [f"malloc.mmap_threshold={v}" for v in applied]
+
     def _malloc_facts(self, measured: int) -> dict[str, Any]:
         """The allocator and its page faults over the measured steps; a fault's cost is measured here (once, after
         the window: ~5 ms) only when there are enough faults for it to matter."""
@@ -553,7 +544,7 @@ class Tracker:
             "allocator": allocator(),
             "faults_per_step": None if per_step is None else round(per_step, 1),
             "us_per_fault": None,
-            "tuned": tuned_in_env() + [f"malloc.mmap_threshold={v}" for v in self.fixes.mmap_threshold()],
+            "tuned": self._malloc_tuning(),
         }
         if per_step is not None and per_step >= MIN_FAULTS_TO_PRICE:
             found["us_per_fault"] = round(us_per_fault(), 3)
@@ -874,9 +865,9 @@ class Tracker:
             }
         summary.applied = self.fixes.results()
         summary.overhead = self._overhead(measured, summary.throughput.step_time_ms)
-        if drain and self._losses:
+        if drain:
             try:
-                summary.loss = loss_series(self._losses)
+                summary.loss = self._losses.series()
             except Exception as error:  # the loss is an extra: reading it must not cost the figures
                 summary.notes.append(f"the steps' loss could not be read ({type(error).__name__}: {error})")
         audits = self.audit.audits() if self.audited is None else self.audited
