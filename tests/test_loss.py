@@ -186,20 +186,51 @@ def test_settings_that_keep_numerics_show_no_loss_table_and_gaps_are_skipped():
     assert "loss of the same steps" not in out.getvalue()
 
 
-def test_the_loss_buffer_sums_micro_batches_in_place_and_keeps_no_tensor_a_step():
+def test_the_loss_buffer_sums_micro_batches_and_counts_no_item_call_of_the_script():
     from stepscope.instrument.loss import LossBuffer
 
     kept = LossBuffer(steps=4)
-    kept.add(0, torch.tensor(1.5))
-    kept.add(0, torch.tensor([0.25], dtype=torch.bfloat16))  # a second micro-batch, another dtype and shape
-    kept.add(2, torch.tensor(float("nan")))
-    kept.add(4, torch.tensor(9.0))  # past the buffer: not kept
-    (sums,) = kept._sums.values()
-    before = sums.data_ptr()
-    for _ in range(100):
-        kept.add(3, torch.tensor(0.01))
-    assert len(kept._sums) == 1 and sums.data_ptr() == before  # one buffer, written in place
+    with _counted_items() as counted:
+        kept.add(0, torch.tensor(1.5))
+        kept.add(0, torch.tensor([0.25], dtype=torch.bfloat16))  # a second micro-batch, another dtype and shape
+        kept.add(2, torch.tensor(float("nan")))
+        kept.add(4, torch.tensor(9.0))  # past the buffer: not kept
+        for _ in range(100):
+            kept.add(3, torch.tensor(0.01))
+    assert counted == []  # read through the C method, under stepscope's .item() hook
+    assert kept._sums == {}  # on the CPU nothing waits: no buffer on a device
     series = kept.series()
     assert series.steps == [0, 2, 3] and series.values[0] == 1.75 and series.values[1] is None
     assert series.values[2] == pytest.approx(1.0, rel=1e-5)
     assert LossBuffer().series() is None
+
+
+class _counted_items:
+    """``torch.Tensor.item`` replaced by a counting wrapper, as stepscope's hook does, for the ``with`` block."""
+
+    def __enter__(self) -> list[int]:
+        self.original, self.calls = torch.Tensor.item, []
+        torch.Tensor.item = lambda t: self.calls.append(1) or self.original(t)
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        torch.Tensor.item = self.original
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_loss_is_summed_in_place_on_its_device_and_read_once():
+    from stepscope.instrument.loss import LossBuffer
+
+    kept = LossBuffer(steps=4)
+    loss = torch.tensor(1.5, device="cuda")
+    kept.add(0, loss)
+    (sums,) = kept._sums.values()
+    before = sums.data_ptr()
+    kept.add(0, torch.tensor([0.25], device="cuda", dtype=torch.bfloat16))
+    for _ in range(100):
+        kept.add(3, torch.tensor(0.01, device="cuda"))
+    assert sums.device.type == "cuda" and sums.data_ptr() == before  # one buffer, written in place
+    series = kept.series()
+    assert series.steps == [0, 3] and series.values[0] == 1.75
+    assert series.values[1] == pytest.approx(1.0, rel=1e-5)

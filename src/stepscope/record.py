@@ -274,7 +274,8 @@ class Recorder:
 
     @property
     def measured(self) -> int:
-        return self.step_stats.count + self._unfolded_n + sum(measured for _, measured in self._held)
+        held = sum(measured for _, measured in self._held) if self._held else 0  # read on the hot path
+        return self.step_stats.count + self._unfolded_n + held
 
     @property
     def held(self) -> bool:

@@ -13,6 +13,7 @@ its backward calls: the step closes when the next iteration begins (next fetch, 
 
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 import threading
@@ -347,7 +348,7 @@ class Tracker:
         samples = 0
         if batch is not None:
             tensors = batch_tensors(batch)
-            self.batch_ids = frozenset(id(t) for t in tensors)
+            self.batch_ids = frozenset(map(id, tensors))
             samples = batch_samples(tensors)
         in_pass = self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None)
         if not in_pass and batch is not None:
@@ -406,12 +407,15 @@ class Tracker:
         """Keep a measured step's loss for the summary: the scalar a backward begins from, detached (the graph is
         freed as usual) and not read until the run ends, so that no step waits for the device."""
         recorder = self.scope._recorder
-        if not recorder.measuring or recorder.measured >= MAX_LOSS_STEPS:
+        if not recorder.measuring:
+            return
+        step = recorder.measured
+        if step >= MAX_LOSS_STEPS:
             return
         if isinstance(root, (list, tuple)) and len(root) == 1:
             root = root[0]
         if isinstance(root, self._tensor) and root.numel() == 1:
-            self._losses.add(recorder.measured, root)
+            self._losses.add(step, root)
 
     @property
     def backward_open(self) -> bool:
@@ -922,12 +926,15 @@ def _or_unknown(length: int | None) -> int:
 
 def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
     """The tensors in a batch (a tensor, or tuples/lists/mappings of them three levels deep), at most ``limit``."""
-    from torch import Tensor
-
+    Tensor = sys.modules["torch"].Tensor  # imported by the script by now; an import statement here costs µs a step
+    if isinstance(batch, Tensor):
+        return [batch]
+    if type(batch) in (tuple, list) and all(isinstance(item, Tensor) for item in batch):
+        return list(batch[:limit])  # (inputs, targets): most batches, without the walk
     found: list[Any] = []
-    todo = [(batch, 0)]
+    todo = collections.deque([(batch, 0)])
     while todo and len(found) < limit:
-        item, depth = todo.pop(0)
+        item, depth = todo.popleft()
         if isinstance(item, Tensor):
             found.append(item)
         elif depth < 3 and isinstance(item, (list, tuple)):
