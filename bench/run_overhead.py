@@ -76,9 +76,16 @@ def paired(blocks: int, block_steps: int, width: int) -> dict[str, dict[str, flo
         order = list(per_block)
         for variant in order if block % 2 == 0 else order[::-1]:
             uninstall = install(tracker) if variant == "stepscope" else None
+            used = optimizer
+            if uninstall is not None:
+                # stepscope hooks an optimizer's step when it is built, as under `stepscope run`: build this block's
+                # under the hooks, from the plain one's state (an optimizer built before install() is not timed, and
+                # the step would then close at the next fetch instead)
+                used = type(optimizer)(model.parameters(), lr=1e-3)
+                used.load_state_dict(optimizer.state_dict())
             t0 = time.thread_time()
             for _ in range(block_steps):
-                step(next(batches), model, criterion, optimizer)
+                step(next(batches), model, criterion, used)
             per_block[variant].append((time.thread_time() - t0) / block_steps * 1e3)
             if uninstall:
                 uninstall()
