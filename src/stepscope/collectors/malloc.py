@@ -76,8 +76,7 @@ def us_per_fault(block: int = CHURN_BLOCK, rounds: int = CHURN_ROUNDS) -> float:
 def threshold_env(mmap_threshold: int) -> dict[str, str]:
     """The environment that fixes glibc's thresholds from a process's first malloc: the mmap threshold at
     ``mmap_threshold`` bytes and the trim threshold at twice it. Set before the interpreter starts, the heap is laid
-    out under them from the start; mallopt in a running process leaves what was already freed and placed as it was
-    (the churn script under ``--apply`` took up to 185 faults a step that way, against at most 30 with this)."""
+    out under them from the start; mallopt in a running process leaves what was already freed and placed as it was."""
     return {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold), "MALLOC_TRIM_THRESHOLD_": str(2 * mmap_threshold)}
 
 

@@ -602,11 +602,8 @@ class Injector:
             self._why["malloc.mmap_threshold"].append(f"the process runs on {running}, not glibc's malloc")
             return
         set_thresholds(threshold)
-        since = (
-            "the process's start (environment)"
-            if threshold_env(threshold).items() <= os.environ.items()
-            else ("torch's import on")
-        )
+        from_start = threshold_env(threshold).items() <= os.environ.items()  # launch.py set them for the child
+        since = "the process's start (environment)" if from_start else "torch's import on"
         self._where["malloc.mmap_threshold"].append(
             f"glibc's mmap threshold {threshold:,} bytes and trim threshold {2 * threshold:,} from {since}"
         )

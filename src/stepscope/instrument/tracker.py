@@ -160,7 +160,7 @@ class Tracker:
         self._fetch_loader: int | None = None
         self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
         self._tensor: type = sys.modules["torch"].Tensor
-        self._losses = LossBuffer()  # each measured step's loss, kept on its device
+        self._losses = LossBuffer()  # each measured step's loss, kept without a sync
         # stepscope's own cost (own_cost.py): its handlers' time, its threads' CPU, at the measured window's ends
         self.hook_ns = 0
         self._training_thread = threading.get_native_id()  # whose page faults are the step's (malloc facts)
