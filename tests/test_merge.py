@@ -143,3 +143,16 @@ def test_merge_of_only_out_of_range_ranks_fails_with_each_reason(tmp_path):
     assert "a.json was skipped: it says rank -3, outside the job's ranks 0 to 1 (world size 2)." in result.stderr
     assert "b.json was skipped: it says rank 7, outside the job's ranks 0 to 1 (world size 2)." in result.stderr
     assert "2 file(s) skipped" in result.stderr.splitlines()[-1]
+
+
+def test_a_small_earlier_difference_is_not_named_over_the_phase_that_holds_the_job_up():
+    # Truth case c013 beside busy loops: rank 0 sleeps 10.5 ms in forward; rank 1's CPU-bound loading, stretched by
+    # the busy machine, takes 2 ms more than rank 0's. The earliest phase that differs is data_wait, but it explains
+    # a fifth of what the forward does: rank 0's forward is the straggler.
+    ranks = [
+        rank(0, {"data_wait": 4.6, "forward": 11.1, "backward": 1.0, "other": 0.3}),
+        rank(1, {"data_wait": 6.5, "forward": 0.3, "backward": 11.5, "other": 0.3}),
+    ]
+    straggler = find_straggler(ranks)
+    assert (straggler.rank, straggler.phase) == (0, "forward")
+    assert straggler.excess_ms == pytest.approx(10.8)

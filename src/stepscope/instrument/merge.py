@@ -26,6 +26,7 @@ from stepscope.record import TOTAL, phase_order
 from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
 
 STRAGGLER_MIN = 0.05
+STRAGGLER_SHARE = 0.5  # of the largest difference between ranks: a phase that differs less is not the cause
 COMMS = "comms"
 EXIT_SEVERITY = ("finished", "stopped", "running", "interrupted", "terminated", "killed", "error")
 FAILED = ("running", "interrupted", "terminated", "killed", "error")  # running: only a checkpoint survived
@@ -73,8 +74,11 @@ def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
     In synchronous training every rank waits for the slowest at the next collective (DDP's all-reduce at the end
     of backward, an explicit all_reduce), so the fast ranks show the same excess later in the step, as ``comms``.
     The cause is therefore the earliest phase in step order, other than ``comms`` (the waiting itself), where the
-    ranks differ by more than ``STRAGGLER_MIN`` of the step (and 0.1 ms); the straggler is the slowest rank in that
-    phase, and its excess is measured against the median of the other ranks. The waiting ranks are those whose
+    ranks differ by more than ``STRAGGLER_MIN`` of the step (and 0.1 ms) and by at least ``STRAGGLER_SHARE`` of the
+    largest such difference: a later phase where the fast ranks wait (a backward holding DDP's all-reduce when
+    comms is not split out) differs by no more than its cause, while a busy machine stretching one rank's loading by
+    2 ms must not be named over a 10 ms forward on the other. The straggler is the slowest rank in that phase, and
+    its excess is measured against the median of the other ranks. The waiting ranks are those whose
     comms time per step exceeds the straggler's own by that same margin (the straggler pays the collectives' own
     cost too, but waits for nobody).
     """
@@ -86,9 +90,10 @@ def find_straggler(ranks: list[RunSummary]) -> Straggler | None:
     names: list[str] = []
     for r in measured:
         names += [n for n in r.phases if n not in names and n not in (TOTAL, COMMS) and not r.phases[n].nested]
-    for name in phase_order(names):
-        values = [phase_ms(r, name) for r in measured]
-        if max(values) - min(values) >= margin:
+    spreads = {name: [phase_ms(r, name) for r in measured] for name in phase_order(names)}
+    widest = max((max(v) - min(v) for v in spreads.values()), default=0.0)
+    for name, values in spreads.items():
+        if max(values) - min(values) >= max(margin, STRAGGLER_SHARE * widest):
             slowest = max(range(len(measured)), key=lambda i: values[i])
             others = values[:slowest] + values[slowest + 1 :]
             straggler = Straggler(
