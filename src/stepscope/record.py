@@ -138,10 +138,7 @@ class SeriesBuilder:
             raise ValueError(f"points must be at least 1, got {points}")
         self.points = points
         self.stride = 1
-        # Allocated whole, before the script's steps: a list that grew a step at a time would leave new blocks in
-        # the holes of the script's freed tensors and change how its allocator behaves (issue 27).
-        self._sums_ns: list[int] = [0] * (2 * points)
-        self._held = 0
+        self._sums_ns: list[int] = []
         self._pending_ns = 0
         self._pending = 0
 
@@ -150,20 +147,17 @@ class SeriesBuilder:
         self._pending_ns += step_ns
         self._pending += 1
         if self._pending == self.stride:
-            self._sums_ns[self._held] = self._pending_ns
-            self._held += 1
+            self._sums_ns.append(self._pending_ns)
             self._pending_ns = 0
             self._pending = 0
-            if self._held == 2 * self.points:
+            if len(self._sums_ns) == 2 * self.points:
                 sums = self._sums_ns
-                for i in range(self.points):
-                    sums[i] = sums[2 * i] + sums[2 * i + 1]
-                self._held = self.points
+                self._sums_ns = [sums[i] + sums[i + 1] for i in range(0, len(sums), 2)]
                 self.stride *= 2
 
     def series(self) -> StepSeries | None:
         """The series so far (the last point may average fewer than ``stride`` steps); None before any step."""
-        step_ms = [total / self.stride / 1e6 for total in self._sums_ns[: self._held]]
+        step_ms = [total / self.stride / 1e6 for total in self._sums_ns]
         if self._pending:
             step_ms.append(self._pending_ns / self._pending / 1e6)
         return StepSeries(stride=self.stride, step_ms=step_ms) if step_ms else None
@@ -253,8 +247,7 @@ class Recorder:
     sampled_step_s: float = 0.0
     recent: deque[StepRecord] = field(init=False)
     series: SeriesBuilder = field(default_factory=SeriesBuilder)  # every timed step, warm-up and profiled too
-    _unfolded: list[StepRecord | None] = field(init=False)  # fold_every slots, allocated once (see SeriesBuilder)
-    _unfolded_n: int = 0
+    _unfolded: list[StepRecord] = field(default_factory=list)
     _unfolded_device: list[dict[str, float]] = field(default_factory=list)
     _held: list[tuple[StepRecord, bool]] = field(default_factory=list)  # (record, measured) awaiting release
 
@@ -265,7 +258,6 @@ class Recorder:
             raise ValueError(f"window must be >= 1 step, got {self.window}")
         self.step_stats = StreamingStats(self.exact_limit)
         self.recent = deque(maxlen=self.window)
-        self._unfolded = [None] * self.fold_every
 
     @property
     def measuring(self) -> bool:
@@ -275,7 +267,7 @@ class Recorder:
     @property
     def measured(self) -> int:
         held = sum(measured for _, measured in self._held) if self._held else 0  # read on the hot path
-        return self.step_stats.count + self._unfolded_n + held
+        return self.step_stats.count + len(self._unfolded) + held
 
     @property
     def held(self) -> bool:
@@ -305,9 +297,8 @@ class Recorder:
         self.series.add(record.step_ns)
         if measured:
             self.recent.append(record)
-            self._unfolded[self._unfolded_n] = record
-            self._unfolded_n += 1
-            if self._unfolded_n >= self.fold_every:
+            self._unfolded.append(record)
+            if len(self._unfolded) >= self.fold_every:
                 self.fold()
 
     def add_device(self, record: StepRecord, device_s: dict[str, float]) -> None:
@@ -325,9 +316,7 @@ class Recorder:
 
     def fold(self) -> None:
         """Fold buffered steps into the statistics (vectorised per phase)."""
-        records = self._unfolded[: self._unfolded_n]
-        self._unfolded[: self._unfolded_n] = [None] * self._unfolded_n  # the records go; the slots stay
-        self._unfolded_n = 0
+        records, self._unfolded = self._unfolded, []
         if records:
             step_s = np.array([r.step_ns for r in records], dtype=np.float64) / 1e9
             self.step_stats.extend(step_s)

@@ -13,7 +13,6 @@ its backward calls: the step closes when the next iteration begins (next fetch, 
 
 from __future__ import annotations
 
-import collections
 import functools
 import sys
 import threading
@@ -404,8 +403,8 @@ class Tracker:
         return True
 
     def _keep_loss(self, root: Any) -> None:
-        """Keep a measured step's loss for the summary: the scalar a backward begins from, detached (the graph is
-        freed as usual) and not read until the run ends, so that no step waits for the device."""
+        """Keep a measured step's loss for the summary: the scalar a backward begins from, in ``LossBuffer`` (on its
+        device until the run ends, so that no step waits for it; a CPU loss at once)."""
         recorder = self.scope._recorder
         if not recorder.measuring:
             return
@@ -932,9 +931,9 @@ def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
     if type(batch) in (tuple, list) and all(isinstance(item, Tensor) for item in batch):
         return list(batch[:limit])  # (inputs, targets): most batches, without the walk
     found: list[Any] = []
-    todo = collections.deque([(batch, 0)])
+    todo = [(batch, 0)]
     while todo and len(found) < limit:
-        item, depth = todo.popleft()
+        item, depth = todo.pop(0)
         if isinstance(item, Tensor):
             found.append(item)
         elif depth < 3 and isinstance(item, (list, tuple)):
