@@ -166,8 +166,12 @@ def check_steps_match(series_ms: list[float], marks_ns: list[int], warmup: int) 
     """stepscope's step times against the hand timer's (the time between its marks at the closing hook)."""
     hand_ms = [(b - a) / 1e6 for a, b in itertools.pairwise(marks_ns)]
     # series point i is step i (stride 1), and step i ends at mark i: step i's hand time is hand_ms[i - 1].
-    for i in range(warmup - 1, len(series_ms)):
-        assert abs(series_ms[i] - hand_ms[i - 1]) < 2.0, (i, series_ms, hand_ms)
+    off_ms = [abs(series_ms[i] - hand_ms[i - 1]) for i in range(warmup - 1, len(series_ms))]
+    assert statistics.median(off_ms) < 0.5, (series_ms, hand_ms)
+    # The two callbacks run one after the other, but the thread can lose the CPU or the GIL between them (the sampler
+    # thread, a loaded machine): that moves one boundary by milliseconds and so changes the two steps beside it.
+    # One such move is allowed; an off-by-one shows in the sampler-start step below.
+    assert sum(off > 2.0 for off in off_ms) <= 2, (series_ms, hand_ms)
     # The sampler started in the last warm-up step, and its start is counted there, not in a measured step.
     assert series_ms[warmup - 1] >= (SLOW_START_S + STEP_S) * 1e3
     assert series_ms[warmup] < (SLOW_START_S + STEP_S) * 1e3, series_ms
