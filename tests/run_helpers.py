@@ -1,13 +1,25 @@
-"""Helpers for the end-to-end tests of ``stepscope run``: launch it as a subprocess, read back its summary."""
+"""Helpers for the end-to-end tests of ``stepscope run``: launch it as a subprocess (or its training process in
+this one), read back its summary."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import io
+import json
 import os
+import runpy
+import signal
 import socket
 import subprocess
 import sys
+import time
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 from stepscope.invariants import broken
 from stepscope.summary import RunSummary
@@ -99,6 +111,123 @@ def stepscope_run(
         timeout=timeout,
     )
     return RunResult(cmd, proc.returncode, proc.stdout, proc.stderr, json_path)
+
+
+class _ScriptHere:
+    """Stands in for the ``subprocess.Popen`` of the training process in ``launch.run``: the script runs in this
+    process, instrumented by bootstrap's own ``instrument``, and writes its summary with bootstrap's own writer, as
+    the child would at exit. Only the interpreter start (torch's import: ~2.5 s of CPU a run) is left out."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], start_new_session: bool = False) -> None:
+        from stepscope.instrument import bootstrap
+        from stepscope.summary import Exit
+
+        assert argv[0] == sys.executable and argv[1] != "-m", f"only a script runs in this process: {argv}"
+        self.pid = os.getpid()
+        code = 0
+        with _script_state(argv[1]):
+            tracker, undo = bootstrap.instrument(json.loads(env[bootstrap.ENV_CONFIG]))
+            at_exit: list[Any] = []
+            try:
+                sys.argv = argv[1:]
+                with mock.patch.object(atexit, "register", lambda f, *a, **k: at_exit.append((f, a, k))):
+                    runpy.run_path(argv[1], run_name="__main__")
+            except SystemExit as end:  # StopRun among them
+                code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+            except Exception as error:  # what the child's exit hook records, and Python prints
+                tracker.outcome = Exit(reason="error", code=1, error=f"{type(error).__name__}: {error}", at=time.time())
+                traceback.print_exc()
+                code = 1
+            finally:
+                undo()
+            for function, args, kwargs in reversed(at_exit):  # the script's exit handlers run before stepscope's
+                function(*args, **kwargs)
+            bootstrap._write_summary(tracker, final=True)
+        self.returncode = code
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _script_state(path: str) -> Iterator[None]:
+    """What a script run here changes in this process, put back afterwards: argv, the import path and the modules
+    it imported from its own folder, torch's thread count and anomaly mode."""
+    import torch
+
+    from stepscope import scope
+
+    saved_argv, saved_path, threads = list(sys.argv), list(sys.path), torch.get_num_threads()
+    anomaly, modules, scopes = torch.is_anomaly_enabled(), set(sys.modules), set(scope._SCOPES)
+    scope._SCOPES.clear()
+    dynamo = sys.modules.get("torch._dynamo.utils")  # what earlier tests compiled: a fresh process counts nothing
+    compiled = dynamo.counters.copy() if dynamo is not None else None
+    if dynamo is not None:
+        dynamo.counters.clear()
+    sys.path.insert(0, str(Path(path).resolve().parent))  # as `python SCRIPT` puts it first
+    try:
+        yield
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        for other in scopes:  # the Scopes of tests before: a fresh process has none
+            scope._SCOPES.add(other)
+        if dynamo is not None:
+            dynamo.counters.clear()
+            dynamo.counters.update(compiled)
+        torch.set_num_threads(threads)
+        torch.autograd.set_detect_anomaly(anomaly)
+        for name in set(sys.modules) - modules:
+            if getattr(sys.modules[name], "__file__", None) and str(SCRIPTS) in sys.modules[name].__file__:
+                del sys.modules[name]
+
+
+class _SubprocessHere:
+    """The ``subprocess`` module as ``launch`` sees it during ``stepscope_here``: Popen runs the script here."""
+
+    Popen = _ScriptHere
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+def stepscope_here(
+    tmp_path: Path, *args: str, warmup: int | None = 3, steps: int | None = 20, verb: str = "run"
+) -> RunResult:
+    """``stepscope_run`` with the training process run in this one: the CLI, its options, the launcher's merge and
+    the report are the real ones; the script runs here under the hooks bootstrap installs in a child. For tests of
+    what stepscope measures on a loop; the process itself (argv, signals, exit codes, launchers) needs
+    ``stepscope_run``."""
+    from stepscope import cli
+    from stepscope.instrument import launch
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, *args, warmup=warmup, steps=steps, verb=verb)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_cwd, saved_subprocess = os.getcwd(), launch.subprocess
+    # The launcher leaves SIGINT/SIGTERM ignored for its report; a later child of this process would inherit that.
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    launch.subprocess = _SubprocessHere()  # type: ignore[assignment]
+    try:
+        os.chdir(tmp_path)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = cli.main(cmd[3:])
+            except SystemExit as end:  # argparse's refusals
+                code = end.code if isinstance(end.code, int) else 1
+    finally:
+        launch.subprocess = saved_subprocess
+        launch.STOP.signum = None
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        os.chdir(saved_cwd)
+    return RunResult(cmd, code, stdout.getvalue(), stderr.getvalue(), json_path)
 
 
 def free_port() -> int:

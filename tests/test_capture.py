@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from run_helpers import run_env, script, stepscope_cmd, stepscope_run, torchrun
+from run_helpers import run_env, script, stepscope_cmd, stepscope_here, stepscope_run, torchrun
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -367,7 +367,7 @@ def trace_run(tmp_path_factory):
     step 2 measured (wait), 3 profiled and discarded, 4-5 recorded. Read by the tests of the trace file and of the
     per-step counts, which hold whatever the window."""
     tmp = tmp_path_factory.mktemp("trace_run")
-    return stepscope_run(
+    return stepscope_here(
         tmp, "--trace", str(tmp / "traces"), "--trace-window", "1:1:2", "--trace-shapes", script("basic.py"),
         warmup=2, steps=8,
     )  # fmt: skip
@@ -416,7 +416,7 @@ def test_run_trace_stores_the_highlights_in_the_summary_and_the_page(tmp_path):
     old = time.time() - 3600
     os.utime(stale, (old, old))
     page = tmp_path / "page.html"
-    r = stepscope_run(
+    r = stepscope_here(
         tmp_path, "--trace", str(traces), "--trace-window", "0:1:2", "--html", str(page), script("basic.py"),
         warmup=2, steps=8,
     )  # fmt: skip
@@ -440,7 +440,7 @@ def test_run_trace_stores_the_highlights_in_the_summary_and_the_page(tmp_path):
 def test_run_trace_that_wrote_no_trace_keeps_the_run_and_says_why(tmp_path):
     traces = tmp_path / "traces"
     page = tmp_path / "page.html"
-    r = stepscope_run(
+    r = stepscope_here(
         tmp_path, "--trace", str(traces), "--trace-window", "3:1:2", "--html", str(page), script("basic.py"),
         warmup=2, steps=2,
     )  # fmt: skip
@@ -459,7 +459,7 @@ def test_run_trace_that_wrote_no_trace_keeps_the_run_and_says_why(tmp_path):
 
 @pytest.mark.parametrize("window", ["1:1", "0:0:0", "1:1:0:1", "a:b:c", "1:-1:2", "1:1:2:3:4"])
 def test_run_refuses_a_bad_trace_window_before_the_script_runs(tmp_path, window):
-    r = stepscope_run(tmp_path, "--trace", str(tmp_path / "t"), "--trace-window", window, script("basic.py"))
+    r = stepscope_here(tmp_path, "--trace", str(tmp_path / "t"), "--trace-window", window, script("basic.py"))
     assert r.returncode == 2, r.describe()
     assert "--trace-window" in r.stderr and "WAIT:WARMUP:ACTIVE" in r.stderr, r.describe()
     assert "basic:" not in r.stdout + r.stderr, r.describe()  # the script never started
@@ -467,7 +467,7 @@ def test_run_refuses_a_bad_trace_window_before_the_script_runs(tmp_path, window)
 
 
 def test_run_refuses_a_bad_nsys_window_before_the_script_runs(tmp_path):
-    r = stepscope_run(tmp_path, "--nsys-window", "5:3", script("basic.py"))
+    r = stepscope_here(tmp_path, "--nsys-window", "5:3", script("basic.py"))
     assert r.returncode == 2, r.describe()
     assert "--nsys-window" in r.stderr and "5:3" in r.stderr, r.describe()
     assert "basic:" not in r.stdout + r.stderr, r.describe()
@@ -476,7 +476,7 @@ def test_run_refuses_a_bad_nsys_window_before_the_script_runs(tmp_path):
 @pytest.mark.skipif(CUDA, reason="checks the fallback without CUDA")
 @pytest.mark.parametrize("capture", [["--nvtx"], ["--nsys-window", "3:5"]])
 def test_run_measures_without_a_capture_that_cannot_start(tmp_path, capture):
-    r = stepscope_run(tmp_path, *capture, script("basic.py"), "--exit-code", "3", "--iters", "12", warmup=2, steps=50)
+    r = stepscope_here(tmp_path, *capture, script("basic.py"), "--exit-code", "3", "--iters", "12", warmup=2, steps=50)
     assert r.returncode == 3, r.describe()  # the script's own exit code: it ran to its end
     s = r.summary
     assert s.steps.measured == 10 and s.steps.profiled == 0, s.steps
@@ -487,7 +487,7 @@ def test_run_measures_without_a_capture_that_cannot_start(tmp_path, capture):
 
 def test_doctor_takes_the_trace_options_too(tmp_path):
     traces = tmp_path / "traces"
-    r = stepscope_run(
+    r = stepscope_here(
         tmp_path, "--trace", str(traces), "--trace-window", "0:1:1", script("basic.py"), warmup=2, steps=6,
         verb="doctor",
     )  # fmt: skip

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from run_helpers import check_consistent, script, stepscope_run, torchrun
+from run_helpers import check_consistent, script, stepscope_here, stepscope_run, torchrun
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, Dataset
@@ -114,7 +114,7 @@ def test_zero_redundancy_optimizer_is_one_optimizer_step_per_step(tmp_path):
 
 
 def test_stop_lets_the_last_steps_tail_run(tmp_path):
-    r = stepscope_run(tmp_path, script("step_tail.py"), warmup=2, steps=5)
+    r = stepscope_here(tmp_path, script("step_tail.py"), warmup=2, steps=5)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -126,7 +126,7 @@ def test_stop_lets_the_last_steps_tail_run(tmp_path):
 
 
 def test_a_loop_that_ends_with_the_last_measured_step_finishes(tmp_path):
-    r = stepscope_run(tmp_path, script("step_tail.py"), "--iters", "7", warmup=2, steps=5)
+    r = stepscope_here(tmp_path, script("step_tail.py"), "--iters", "7", warmup=2, steps=5)
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert s.steps.measured == 5, r.describe()

@@ -5,7 +5,7 @@ truth: the model's forward sleeps a known time)."""
 from __future__ import annotations
 
 import pytest
-from run_helpers import script, stepscope_run
+from run_helpers import script, stepscope_here
 
 from stepscope import Scope
 
@@ -107,7 +107,7 @@ def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, t
     # 40 measured steps, a pass of 10 no_grad forwards every 10 steps. A teacher's no_grad forward inside every
     # step (4 ms) is training work and must stay in it.
     args = ["--where", where, "--val-every", "10", "--val-batches", "10", "--forward-ms", str(FORWARD_MS)]
-    r = stepscope_run(tmp_path, script("validation.py"), *args, *(["--teacher"] if teacher else []), steps=40)
+    r = stepscope_here(tmp_path, script("validation.py"), *args, *(["--teacher"] if teacher else []), steps=40)
     assert r.returncode == 0, r.describe()
     summary = r.summary
     passes = summary.eval
@@ -155,7 +155,7 @@ def test_no_grad_forwards_in_every_step_stay_in_the_step(tmp_path, where):
     # a reference model, not validation. Cut out as validation they made the run read 2.5x its own steps/s.
     timer = tmp_path / "timer.json"
     args = ["--where", where, "--side-forwards", "6", "--side-ms", "1", "--forward-ms", "4", "--timer", str(timer)]
-    r = stepscope_run(tmp_path, script("side_work.py"), *args, warmup=5, steps=40)
+    r = stepscope_here(tmp_path, script("side_work.py"), *args, warmup=5, steps=40)
     assert r.returncode == 0, r.describe()
     summary = r.summary
     assert summary.eval == {}, summary.eval
@@ -175,7 +175,7 @@ def test_validation_after_every_steps_side_work_is_still_validation(tmp_path):
     # passes are kept apart, the side work stays in the step, and the wall rate counts both.
     timer = tmp_path / "timer.json"
     args = ["--val-every", "10", "--val-batches", "5", "--forward-ms", "4", "--timer", str(timer)]
-    r = stepscope_run(tmp_path, script("side_work.py"), *args, warmup=5, steps=40)
+    r = stepscope_here(tmp_path, script("side_work.py"), *args, warmup=5, steps=40)
     assert r.returncode == 0, r.describe()
     summary = r.summary
     assert summary.eval["passes"] == 4 and summary.eval["batches_per_pass"] == pytest.approx(5.0), summary.eval

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from run_helpers import script, stepscope_run
+from run_helpers import script, stepscope_here
 from torch import nn
 
 from stepscope.doctor import facts
 
 
 def test_run_reports_the_settings_the_script_used(tmp_path):
-    r = stepscope_run(tmp_path, script("doctor_facts.py"), warmup=2, steps=6)
+    r = stepscope_here(tmp_path, script("doctor_facts.py"), warmup=2, steps=6)
     assert r.returncode == 0, r.describe()
     f = r.summary.facts
     assert f["autocast"] == {"cpu": "bfloat16"}  # only open inside the loop: probed during forward
@@ -42,7 +42,7 @@ def test_run_reports_the_settings_the_script_used(tmp_path):
 
 
 def test_profiler_and_varying_shapes_are_seen(tmp_path):
-    r = stepscope_run(tmp_path, script("doctor_facts.py"), "--profile", "--vary-shapes", warmup=2, steps=6)
+    r = stepscope_here(tmp_path, script("doctor_facts.py"), "--profile", "--vary-shapes", warmup=2, steps=6)
     assert r.returncode == 0, r.describe()
     f = r.summary.facts
     assert f["torch"]["profiler"] is True

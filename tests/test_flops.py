@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from run_helpers import script, stepscope_run
+from run_helpers import script, stepscope_here
 
 from stepscope import Scope
 from stepscope.analyses.flops import count_flops, gpu_peak, peak_tflops, training_dtype
@@ -75,7 +75,7 @@ def test_scope_reports_tflops_and_mfu(clock):
 
 
 def test_run_counts_the_model_flops_in_a_warm_up_step(tmp_path):
-    r = stepscope_run(tmp_path, script("doctor_item.py"), warmup=3, steps=10)
+    r = stepscope_here(tmp_path, script("doctor_item.py"), warmup=3, steps=10)
     assert r.returncode == 0, r.describe()
     t = r.summary.throughput
     # doctor_item: Linear(256, 1024) -> ReLU -> Linear(1024, 4) on a batch of 512, inputs without gradients:

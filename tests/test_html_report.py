@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from chromium import find_chromium, load_page
 from kineto import Kineto
-from run_helpers import script, stepscope_run
+from run_helpers import script, stepscope_here
 
 from stepscope.analyses.trace.analyze import (
     CpuShare,
@@ -643,7 +643,7 @@ def test_html_is_an_option_of_the_measuring_verbs_and_takes_a_value(verb):
 
 def test_run_html_writes_the_report_of_a_real_run(tmp_path):
     page_path = tmp_path / "out" / "report.html"
-    result = stepscope_run(tmp_path, "--html", str(page_path), script("basic.py"), warmup=2, steps=6)
+    result = stepscope_here(tmp_path, "--html", str(page_path), script("basic.py"), warmup=2, steps=6)
     assert result.returncode == 0, result.describe()
     assert f"report written to {page_path}" in result.stdout
     page = page_path.read_text()

@@ -24,6 +24,7 @@ from run_helpers import (
     run_env,
     script,
     stepscope_cmd,
+    stepscope_here,
     stepscope_run,
     torchrun,
 )
@@ -123,7 +124,7 @@ def test_terminal_report(dashed_run):
 
 
 def test_no_stop_runs_the_script_to_its_end(tmp_path):
-    r = stepscope_run(tmp_path, "--no-stop", script("basic.py"), "--iters", "12", warmup=3, steps=5)
+    r = stepscope_here(tmp_path, "--no-stop", script("basic.py"), "--iters", "12", warmup=3, steps=5)
     assert r.returncode == 0, r.describe()
     assert "basic: done after 12 steps" in r.stdout, r.describe()
     s = r.summary
@@ -135,7 +136,7 @@ def test_no_stop_runs_the_script_to_its_end(tmp_path):
 
 
 def test_script_that_ends_before_the_step_budget_finishes(tmp_path):
-    r = stepscope_run(tmp_path, script("basic.py"), "--iters", "12", warmup=3, steps=200)
+    r = stepscope_here(tmp_path, script("basic.py"), "--iters", "12", warmup=3, steps=200)
     assert r.returncode == 0, r.describe()
     assert "basic: done after 12 steps" in r.stdout, r.describe()
     s = r.summary
@@ -144,7 +145,7 @@ def test_script_that_ends_before_the_step_budget_finishes(tmp_path):
 
 
 def test_script_exit_code_propagates(tmp_path):
-    r = stepscope_run(tmp_path, script("basic.py"), "--iters", "6", "--exit-code", "3", warmup=2, steps=50)
+    r = stepscope_here(tmp_path, script("basic.py"), "--iters", "6", "--exit-code", "3", warmup=2, steps=50)
     assert r.returncode == 3, r.describe()
     assert "basic: done after 6 steps" in r.stdout, r.describe()
     s = r.summary
@@ -176,7 +177,7 @@ def slow_loader_run(tmp_path_factory) -> RunResult:
     8 sleeps, whatever the dataset's size)."""
     tmp_path = tmp_path_factory.mktemp("slow_loader")
     args = ("--sample-ms", "3", "--num-samples", "40")
-    return stepscope_run(tmp_path, script("slow_loader.py"), *args, warmup=3, steps=20)
+    return stepscope_here(tmp_path, script("slow_loader.py"), *args, warmup=3, steps=20)
 
 
 def test_slow_loader_is_data_bound(slow_loader_run):
@@ -203,7 +204,7 @@ def test_slow_loader_is_data_bound(slow_loader_run):
 
 def test_workers_cut_data_wait(tmp_path, slow_loader_run):
     serial = slow_loader_run
-    workers = stepscope_run(
+    workers = stepscope_here(
         tmp_path,
         script("slow_loader.py"),
         *("--sample-ms", "3", "--num-workers", "2", "--persistent-workers"),
@@ -249,7 +250,7 @@ def test_epochs_are_listed(slow_loader_run):
 
 
 def test_expensive_optimizer_is_optimizer_bound(tmp_path):
-    r = stepscope_run(tmp_path, "--batch-size", "16", script("optimizer_heavy.py"), "--opt-ms", "20", steps=15)
+    r = stepscope_here(tmp_path, "--batch-size", "16", script("optimizer_heavy.py"), "--opt-ms", "20", steps=15)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -266,7 +267,7 @@ def test_expensive_optimizer_is_optimizer_bound(tmp_path):
 
 
 def test_gradient_accumulation(tmp_path):
-    r = stepscope_run(tmp_path, script("grad_accum.py"), "--accum", "4", "--batch-size", "8", warmup=3, steps=15)
+    r = stepscope_here(tmp_path, script("grad_accum.py"), "--accum", "4", "--batch-size", "8", warmup=3, steps=15)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -282,7 +283,7 @@ def test_gradient_accumulation(tmp_path):
 
 
 def test_autocast_bf16(tmp_path):
-    r = stepscope_run(tmp_path, script("amp_bf16.py"), warmup=3, steps=10)
+    r = stepscope_here(tmp_path, script("amp_bf16.py"), warmup=3, steps=10)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -313,7 +314,7 @@ def test_torch_compile(tmp_path):
 @pytest.mark.parametrize("form", ["loss.backward", "torch.autograd.backward"])
 def test_manual_updates_step_on_backward(tmp_path, form):
     flags = ["--autograd-backward"] if form == "torch.autograd.backward" else []
-    r = stepscope_run(tmp_path, "--batch-size", "16", script("manual_sgd.py"), *flags, warmup=3, steps=12)
+    r = stepscope_here(tmp_path, "--batch-size", "16", script("manual_sgd.py"), *flags, warmup=3, steps=12)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -327,7 +328,7 @@ def test_manual_updates_step_on_backward(tmp_path, form):
 
 
 def test_lbfgs_closure_time_is_forward_and_backward(tmp_path):
-    r = stepscope_run(tmp_path, script("lbfgs.py"), "--fwd-ms", "3", warmup=2, steps=8)
+    r = stepscope_here(tmp_path, script("lbfgs.py"), "--fwd-ms", "3", warmup=2, steps=8)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -347,7 +348,7 @@ def test_lbfgs_closure_time_is_forward_and_backward(tmp_path):
 
 
 def test_gan_two_optimizers_make_one_step(tmp_path):
-    r = stepscope_run(tmp_path, script("gan.py"), "--batch-size", "16", warmup=3, steps=12)
+    r = stepscope_here(tmp_path, script("gan.py"), "--batch-size", "16", warmup=3, steps=12)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -368,7 +369,7 @@ def item_run(tmp_path_factory) -> RunResult:
     step's own read-back may be counted."""
     tmp_path = tmp_path_factory.mktemp("item")
     args = ("--item-in-dataset", "--samples", "32")
-    return stepscope_run(tmp_path, script("item_every_step.py"), *args, warmup=3, steps=15)
+    return stepscope_here(tmp_path, script("item_every_step.py"), *args, warmup=3, steps=15)
 
 
 def test_item_calls_are_counted(item_run):
@@ -381,7 +382,7 @@ def test_item_calls_are_counted(item_run):
 
 
 def test_tolist_counts_as_a_read_back(tmp_path):
-    r = stepscope_run(tmp_path, script("item_every_step.py"), "--tolist", warmup=3, steps=15)
+    r = stepscope_here(tmp_path, script("item_every_step.py"), "--tolist", warmup=3, steps=15)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
@@ -464,7 +465,7 @@ def test_script_that_raises(tmp_path):
 
 
 def test_script_that_never_steps(tmp_path):
-    r = stepscope_run(tmp_path, script("no_step.py"), "--batches", "10", "--epochs", "2", warmup=3, steps=20)
+    r = stepscope_here(tmp_path, script("no_step.py"), "--batches", "10", "--epochs", "2", warmup=3, steps=20)
     assert r.returncode == 0, r.describe()
     assert "no_step: 20 batches" in r.stdout, r.describe()
     s = r.summary
@@ -849,7 +850,7 @@ def test_a_scripts_own_scope_is_named_in_a_note_with_its_phases(tmp_path):
         "    opt.zero_grad()\n"
         "    scope.step(batch_size=8)\n"
     )
-    r = stepscope_run(tmp_path, str(path), warmup=2, steps=5)
+    r = stepscope_here(tmp_path, str(path), warmup=2, steps=5)
     assert r.returncode == 0, r.describe()
     (note,) = [n for n in r.summary.notes if "the script's own Scope" in n]
     assert "'myphase'" in note and "stay in that Scope's summary()" in note, note

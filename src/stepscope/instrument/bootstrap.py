@@ -79,37 +79,43 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def instrument(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+    """The tracker of a process ``stepscope run`` started, from its RunConfig options, with the training hooks in
+    torch; returns it and the undo of the hooks. Process-wide handlers (exit, signals, checkpoints) are ``_start``'s."""
+    from stepscope.instrument.hooks import install
+    from stepscope.instrument.profile import ProfileWindow
+    from stepscope.instrument.tracker import RunConfig, Tracker
+    from stepscope.scope import enabled_scope
+
+    config = RunConfig(**options)
+    scope_options = {
+        "warmup": config.warmup,
+        "system_interval_s": config.system_interval_s,
+        "stack_sample_hz": config.stack_sample_hz,
+        "sinks": _sinks(config.sinks),
+    }
+    try:
+        scope = enabled_scope(
+            **scope_options,
+            profile=ProfileWindow(**config.profile) if config.profile else None,
+            nvtx=config.nvtx,
+            nsys_window=config.nsys_window,
+        )
+    except ValueError as error:  # e.g. NVTX without CUDA: keep what can run rather than lose the measurement
+        profile = ProfileWindow(**config.profile) if config.profile else None
+        _warn(
+            "could not set up the trace capture",
+            error,
+            then="measuring without " + ("NVTX and the Nsight window" if profile else "it"),
+        )
+        scope = enabled_scope(**scope_options, profile=profile)
+    tracker = Tracker(scope, config)
+    return tracker, install(tracker)
+
+
 def _start(options: dict[str, Any]) -> None:
     try:
-        from stepscope.instrument.hooks import install
-        from stepscope.instrument.profile import ProfileWindow
-        from stepscope.instrument.tracker import RunConfig, Tracker
-        from stepscope.scope import enabled_scope
-
-        config = RunConfig(**options)
-        scope_options = {
-            "warmup": config.warmup,
-            "system_interval_s": config.system_interval_s,
-            "stack_sample_hz": config.stack_sample_hz,
-            "sinks": _sinks(config.sinks),
-        }
-        try:
-            scope = enabled_scope(
-                **scope_options,
-                profile=ProfileWindow(**config.profile) if config.profile else None,
-                nvtx=config.nvtx,
-                nsys_window=config.nsys_window,
-            )
-        except ValueError as error:  # e.g. NVTX without CUDA: keep what can run rather than lose the measurement
-            profile = ProfileWindow(**config.profile) if config.profile else None
-            _warn(
-                "could not set up the trace capture",
-                error,
-                then="measuring without " + ("NVTX and the Nsight window" if profile else "it"),
-            )
-            scope = enabled_scope(**scope_options, profile=profile)
-        tracker = Tracker(scope, config)
-        install(tracker)
+        tracker, _ = instrument(options)
     except Exception as error:
         _warn("could not install the training hooks", error)
         return
