@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import io
 import json
+import logging
 import os
 import runpy
 import signal
@@ -196,24 +197,29 @@ class _SubprocessHere:
         return getattr(subprocess, name)
 
 
-def stepscope_here(
-    tmp_path: Path, *args: str, warmup: int | None = 3, steps: int | None = 20, verb: str = "run"
-) -> RunResult:
-    """``stepscope_run`` with the training process run in this one: the CLI, its options, the launcher's merge and
-    the report are the real ones; the script runs here under the hooks bootstrap installs in a child. For tests of
-    what stepscope measures on a loop; the process itself (argv, signals, exit codes, launchers) needs
-    ``stepscope_run``."""
+def cli_here(tmp_path: Path, cmd: list[str]) -> tuple[int, str, str]:
+    """``python -m stepscope.cli VERB ...`` (``cmd``) with its training process run in this one: the CLI, its
+    options, the launcher's merge and the report are the real ones; the script runs here under the hooks bootstrap
+    installs in a child (``_ScriptHere``). For tests of what stepscope measures on a loop; the process itself (argv,
+    signals, exit codes, launchers, environment) needs a real ``stepscope`` process. Returns the exit code, stdout
+    and stderr."""
     from stepscope import cli
     from stepscope.instrument import launch
 
+    assert cmd[:3] == [sys.executable, "-m", "stepscope.cli"], cmd
     tmp_path.mkdir(parents=True, exist_ok=True)
-    json_path = tmp_path / "s.json"
-    cmd = stepscope_cmd(json_path, *args, warmup=warmup, steps=steps, verb=verb)
     stdout, stderr = io.StringIO(), io.StringIO()
     saved_cwd, saved_subprocess = os.getcwd(), launch.subprocess
     # The launcher leaves SIGINT/SIGTERM ignored for its report; a later child of this process would inherit that.
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     launch.subprocess = _SubprocessHere()  # type: ignore[assignment]
+    # stepscope's warnings reach stderr as in a process with no logging set up (Python's last-resort handler), not
+    # pytest's capture on the root logger.
+    logger = logging.getLogger("stepscope")
+    to_stderr = logging.StreamHandler(stderr)
+    to_stderr.setLevel(logging.WARNING)
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(to_stderr)
     try:
         os.chdir(tmp_path)
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -224,10 +230,21 @@ def stepscope_here(
     finally:
         launch.subprocess = saved_subprocess
         launch.STOP.signum = None
+        logger.removeHandler(to_stderr)
+        logger.propagate = propagate
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         os.chdir(saved_cwd)
-    return RunResult(cmd, code, stdout.getvalue(), stderr.getvalue(), json_path)
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+def stepscope_here(
+    tmp_path: Path, *args: str, warmup: int | None = 3, steps: int | None = 20, verb: str = "run"
+) -> RunResult:
+    """``stepscope_run`` with the training process run in this one (``cli_here``)."""
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, *args, warmup=warmup, steps=steps, verb=verb)
+    return RunResult(cmd, *cli_here(tmp_path, cmd), json_path)
 
 
 def free_port() -> int:

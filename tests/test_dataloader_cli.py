@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import RunResult, run_env, script
+from run_helpers import RunResult, cli_here, run_env, script
 from test_loader import SWEEP_ROW
 
 from stepscope.summary import PhaseStats, RunSummary, Throughput
@@ -33,7 +33,8 @@ class LoaderRun(RunResult):
 def stepscope_dataloader(
     tmp_path: Path, *args: str, batches: int = 20, warmup: int = 2, options: tuple[str, ...] = (), timeout: float = 120
 ) -> LoaderRun:
-    """``python -m stepscope.cli dataloader --batches B --warmup W --json tmp_path/loader.json OPTIONS ARGS...``"""
+    """``python -m stepscope.cli dataloader --batches B --warmup W --json tmp_path/loader.json OPTIONS ARGS...``; a
+    script's training process runs in this one (``cli_here``), a launcher's in processes of their own."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     json_path = tmp_path / "loader.json"
     cmd = [
@@ -45,6 +46,8 @@ def stepscope_dataloader(
         *options,
         *args,
     ]
+    if "--" not in args:
+        return LoaderRun(cmd, *cli_here(tmp_path, cmd), json_path)
     proc = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=timeout)
     return LoaderRun(cmd, proc.returncode, proc.stdout, proc.stderr, json_path)
 

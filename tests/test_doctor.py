@@ -7,15 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_helpers import RunResult, script, stepscope_run
+from run_helpers import RunResult, script, stepscope_here, stepscope_run
 
 from stepscope import cli
 from stepscope.instrument.apply import parse_fixes
 from stepscope.summary import RunSummary
 
 
-def doctor(tmp_path: Path, *args: str, warmup: int = 5, steps: int = 30, timeout: float = 180) -> RunResult:
-    return stepscope_run(tmp_path, *args, warmup=warmup, steps=steps, timeout=timeout, verb="doctor")
+def doctor(tmp_path: Path, *args: str, warmup: int = 5, steps: int = 30) -> RunResult:
+    """`stepscope doctor` on a script, its training process run in this one (``stepscope_here``)."""
+    return stepscope_here(tmp_path, *args, warmup=warmup, steps=steps, verb="doctor")
 
 
 def first_fix(summary: RunSummary) -> str:
@@ -49,7 +50,7 @@ def test_slow_loader_is_data_bound_and_workers_come_first(tmp_path):
 def test_doctor_sweep_ranks_the_loader_settings_by_the_runs_own_step(tmp_path):
     # The loader sleeps 3 ms per sample (a read): after the measured steps the doctor sweeps its settings, ranked by
     # the rate this run's step would reach with each, and advises the sweep's best (what --verify would measure).
-    r = doctor(tmp_path, "--sweep", "--sweep-budget-s", "40", script("slow_loader.py"), "--sample-ms", "3", timeout=240)
+    r = doctor(tmp_path, "--sweep", "--sweep-budget-s", "40", script("slow_loader.py"), "--sample-ms", "3")
     assert r.returncode == 0, r.describe()
     s = r.summary
     loader = s.dataloader
@@ -157,7 +158,7 @@ def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
         *("--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"),
         script("doctor_ddp.py"),
     ]
-    r = doctor(tmp_path, "--", *launcher, warmup=5, steps=20, timeout=300)
+    r = stepscope_run(tmp_path, "--", *launcher, warmup=5, steps=20, timeout=300, verb="doctor")
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert len(s.ranks) == 2, r.describe()
@@ -176,7 +177,7 @@ def test_torchrun_ddp_find_unused_with_nothing_unused(tmp_path):
 
 
 def test_compilation_inside_the_measured_steps_is_named(tmp_path):
-    r = doctor(tmp_path, script("compiled.py"), warmup=0, steps=10, timeout=300)
+    r = doctor(tmp_path, script("compiled.py"), warmup=0, steps=10)
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert s.facts["dynamo"]["graphs_in_window"] >= 1, s.facts.get("dynamo")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import script, stepscope_run
+from run_helpers import script, stepscope_here, stepscope_run
 
 from stepscope import Scope
 from stepscope.collectors.stacks import CodeKinds, StackSampler, frame_site, hotspots
@@ -159,7 +159,7 @@ def test_scope_samples_stacks_when_asked_and_names_each_phase_line():
 
 
 def doctor(tmp_path: Path, *args: str, steps: int = 40):
-    return stepscope_run(tmp_path, *args, warmup=3, steps=steps, verb="doctor", timeout=120)
+    return stepscope_here(tmp_path, *args, warmup=3, steps=steps, verb="doctor")
 
 
 def test_doctor_names_a_sleepy_save_checkpoint_and_fixes_it_first(tmp_path):
@@ -192,7 +192,9 @@ def test_doctor_names_torch_save_at_its_line(tmp_path):
 
 
 def test_doctor_names_per_step_logging(tmp_path):
-    r = doctor(tmp_path, script("hotspot_logging.py"), str(tmp_path / "train.log"), steps=60)
+    # A process of its own: in this one, pytest's handlers on the root logger make the script's basicConfig a no-op.
+    log = str(tmp_path / "train.log")
+    r = stepscope_run(tmp_path, script("hotspot_logging.py"), log, warmup=3, steps=60, verb="doctor", timeout=120)
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert s.verdict.bound == "host", r.describe()

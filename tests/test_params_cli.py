@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from run_helpers import SCRIPTS, run_env, script
+from run_helpers import SCRIPTS, cli_here, run_env, script
 
 ITEM_KEYS = {"name", "module", "numel", "aliases", "reached_steps"}
 HEADERS = ("UNUSED", "ZERO-GRAD", "FROZEN", "CONDITIONAL")
@@ -74,7 +74,8 @@ def stepscope_params(
     timeout: float = 180,
     pythonpath: tuple[str, ...] = (),
 ) -> ParamsResult:
-    """``python -m stepscope.cli params [--steps N] [--include-zero-grad] [--json tmp_path/params.json] ARGS...``."""
+    """``python -m stepscope.cli params [--steps N] [--include-zero-grad] [--json tmp_path/params.json] ARGS...``; a
+    script's training process runs in this one (``cli_here``), a module's or a launcher's in processes of their own."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     json_path = tmp_path / "params.json" if json_out else None
     cmd = [sys.executable, "-m", "stepscope.cli", "params"]
@@ -85,6 +86,8 @@ def stepscope_params(
     if json_path is not None:
         cmd += ["--json", str(json_path)]
     cmd += list(args)
+    if args[0] not in ("--", "-m"):
+        return ParamsResult(cmd, *cli_here(tmp_path, cmd), json_path)
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=run_env(pythonpath=pythonpath), capture_output=True, text=True, timeout=timeout
     )

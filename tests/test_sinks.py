@@ -12,7 +12,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from run_helpers import RunResult, script, stepscope_run
+from run_helpers import RunResult, script, stepscope_here
 
 from stepscope import NULL_SCOPE, Scope
 from stepscope.sinks import JsonlSink, SinkSet
@@ -167,7 +167,7 @@ def sinks_run(tmp_path_factory) -> SinksRun:
     uri = f"http://127.0.0.1:{_closed_loopback_port()}" if importlib.util.find_spec("mlflow") else None
     mlflow = ("--sink", f"mlflow:{uri}") if uri else ()
     start = time.monotonic()
-    r = stepscope_run(tmp, "--metrics-jsonl", str(jsonl), *mlflow, script("basic.py"), warmup=2, steps=20, timeout=150)
+    r = stepscope_here(tmp, "--metrics-jsonl", str(jsonl), *mlflow, script("basic.py"), warmup=2, steps=20)
     return SinksRun(r, jsonl, uri, time.monotonic() - start)
 
 
@@ -183,7 +183,7 @@ def test_run_writes_a_line_per_measured_step(sinks_run):
 def test_run_refuses_a_metrics_path_it_cannot_write(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    r = stepscope_run(tmp_path, "--metrics-jsonl", str(blocker / "m.jsonl"), script("basic.py"))
+    r = stepscope_here(tmp_path, "--metrics-jsonl", str(blocker / "m.jsonl"), script("basic.py"))
     assert r.returncode == 2, r.describe()
     assert f"--sink jsonl:{blocker / 'm.jsonl'}" in r.stderr and "Traceback" not in r.stderr
 
