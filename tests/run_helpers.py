@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
+
 from stepscope.invariants import broken
 from stepscope.summary import RunSummary
 
@@ -114,6 +116,10 @@ def stepscope_run(
     return RunResult(cmd, proc.returncode, proc.stdout, proc.stderr, json_path)
 
 
+# torch's intra-op threads in a process started with this environment (read before any test sets its own).
+FRESH_THREADS = torch.get_num_threads()
+
+
 class _ScriptHere:
     """Stands in for the ``subprocess.Popen`` of the training process in ``launch.run``: the script runs in this
     process, instrumented by bootstrap's own ``instrument``, and writes its summary with bootstrap's own writer, as
@@ -126,7 +132,7 @@ class _ScriptHere:
         assert argv[0] == sys.executable and argv[1] != "-m", f"only a script runs in this process: {argv}"
         self.pid = os.getpid()
         code = 0
-        with _script_state(argv[1]):
+        with _script_state(argv[1], env):
             tracker, undo = bootstrap.instrument(json.loads(env[bootstrap.ENV_CONFIG]))
             at_exit: list[Any] = []
             try:
@@ -157,14 +163,18 @@ class _ScriptHere:
 
 
 @contextlib.contextmanager
-def _script_state(path: str) -> Iterator[None]:
-    """What a script run here changes in this process, put back afterwards: argv, the import path and the modules
-    it imported from its own folder, torch's thread count and anomaly mode."""
-    import torch
-
+def _script_state(path: str, env: dict[str, str]) -> Iterator[None]:
+    """The process state a script run here sees, put back afterwards: its environment (the child's: what an A/B
+    variant sets, say, though not what takes effect at a process's start, such as OMP_NUM_THREADS or malloc's
+    thresholds), argv, the import path and the modules it imported from its own folder, torch's thread count and
+    anomaly mode, and no Scope or compilation of earlier tests."""
     from stepscope import scope
 
+    saved_env = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
     saved_argv, saved_path, threads = list(sys.argv), list(sys.path), torch.get_num_threads()
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or FRESH_THREADS))  # what torch starts a process with
     anomaly, modules, scopes = torch.is_anomaly_enabled(), set(sys.modules), set(scope._SCOPES)
     scope._SCOPES.clear()
     dynamo = sys.modules.get("torch._dynamo.utils")  # what earlier tests compiled: a fresh process counts nothing
@@ -175,6 +185,8 @@ def _script_state(path: str) -> Iterator[None]:
     try:
         yield
     finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
         sys.argv[:], sys.path[:] = saved_argv, saved_path
         for other in scopes:  # the Scopes of tests before: a fresh process has none
             scope._SCOPES.add(other)
@@ -204,29 +216,42 @@ def cli_here(tmp_path: Path, cmd: list[str]) -> tuple[int, str, str]:
     signals, exit codes, launchers, environment) needs a real ``stepscope`` process. Returns the exit code, stdout
     and stderr."""
     from stepscope import cli
-    from stepscope.instrument import launch
 
     assert cmd[:3] == [sys.executable, "-m", "stepscope.cli"], cmd
     tmp_path.mkdir(parents=True, exist_ok=True)
     stdout, stderr = io.StringIO(), io.StringIO()
-    saved_cwd, saved_subprocess = os.getcwd(), launch.subprocess
+    saved_cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), scripts_here():
+            try:
+                code = cli.main(cmd[3:])
+            except SystemExit as end:  # argparse's refusals
+                code = end.code if isinstance(end.code, int) else 1
+    finally:
+        os.chdir(saved_cwd)
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+@contextlib.contextmanager
+def scripts_here() -> Iterator[None]:
+    """Within: every training process ``launch.run`` starts for a script runs in this process (``_ScriptHere``), for
+    tests that call stepscope's functions (``verify``, ``run_ab``) rather than its CLI."""
+    from stepscope.instrument import launch
+
+    saved_subprocess = launch.subprocess
     # The launcher leaves SIGINT/SIGTERM ignored for its report; a later child of this process would inherit that.
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     launch.subprocess = _SubprocessHere()  # type: ignore[assignment]
     # stepscope's warnings reach stderr as in a process with no logging set up (Python's last-resort handler), not
     # pytest's capture on the root logger.
     logger = logging.getLogger("stepscope")
-    to_stderr = logging.StreamHandler(stderr)
+    to_stderr = logging.StreamHandler(sys.stderr)
     to_stderr.setLevel(logging.WARNING)
     propagate, logger.propagate = logger.propagate, False
     logger.addHandler(to_stderr)
     try:
-        os.chdir(tmp_path)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                code = cli.main(cmd[3:])
-            except SystemExit as end:  # argparse's refusals
-                code = end.code if isinstance(end.code, int) else 1
+        yield
     finally:
         launch.subprocess = saved_subprocess
         launch.STOP.signum = None
@@ -234,8 +259,6 @@ def cli_here(tmp_path: Path, cmd: list[str]) -> tuple[int, str, str]:
         logger.propagate = propagate
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        os.chdir(saved_cwd)
-    return code, stdout.getvalue(), stderr.getvalue()
 
 
 def stepscope_here(

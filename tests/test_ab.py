@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
-from run_helpers import SCRIPTS, run_env, script
+from run_helpers import SCRIPTS, cli_here, run_env, script
 
 from stepscope import cli
 from stepscope.analyses.ab import (
@@ -504,10 +504,15 @@ def test_an_interrupted_run_ends_the_ab_and_what_ran_is_still_written(monkeypatc
 # -- real runs ---------------------------------------------------------------------------------------------------
 
 
-def _ab(tmp_path, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict]:
+def _ab(tmp_path, *args: str, here: bool = True, timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict]:
+    """``stepscope ab --json ... ARGS``; with ``here``, each variant's training process runs in this one
+    (``cli_here``: the A/B's runs, interleaving and statistics are the real ones)."""
     out = tmp_path / "ab.json"
     cmd = [sys.executable, "-m", "stepscope.cli", "ab", "--json", str(out), *args]
-    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=timeout)
+    if here:
+        done = subprocess.CompletedProcess(cmd, *cli_here(tmp_path, cmd))
+    else:
+        done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=timeout)
     assert out.exists(), f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done, orjson.loads(out.read_bytes())
 
@@ -590,7 +595,7 @@ def test_gpu_ab_compares_device_memory_and_warns_about_the_batch(tmp_path):
     done, data = _ab(
         tmp_path, "--repeats", "3", "--steps", "30", "--warmup", "5",
         "--variant", f"b256=AB_BATCH=256 python {cuda}", "--variant", f"b1024=AB_BATCH=1024 python {cuda}",
-        timeout=300,
+        here=False, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     small, large = data["variants"]

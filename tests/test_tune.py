@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_helpers import cli_here
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, RunFigures, Settings, ab_result, variant_result
 from stepscope.instrument.apply import parse_fixes
@@ -433,12 +434,12 @@ def test_every_appliable_fix_says_how_to_keep_it():
 
 def test_tune_finds_the_thread_count_of_a_real_script(tmp_path):
     out = tmp_path / "tune.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "stepscope.cli", "tune", "--warmup", "3", "--steps", "20", "--repeats", "2",
-         "--json", str(out), "--html", str(tmp_path / "tune.html"), str(SCRIPTS / "threads_sleep.py"),
-         "--ms-per-thread", "6"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "stepscope.cli", "tune", "--warmup", "3", "--steps", "20", "--repeats", "2",
+        "--json", str(out), "--html", str(tmp_path / "tune.html"), str(SCRIPTS / "threads_sleep.py"),
+        "--ms-per-thread", "6",
+    ]  # fmt: skip
+    done = subprocess.CompletedProcess(cmd, *cli_here(tmp_path, cmd))
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(out.read_text())
     assert data["best"]["apply"] == ["host.threads=1"], data

@@ -9,7 +9,7 @@ beside other tests. The CPU-bound fixes (fused optimizer, anomaly mode off) need
 from __future__ import annotations
 
 import pytest
-from run_helpers import script, stepscope_run
+from run_helpers import script, scripts_here, stepscope_here
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, Comparison, Settings
 from stepscope.instrument.apply import parse_fixes
@@ -87,9 +87,9 @@ def _verified(summary: RunSummary, fix_id: str) -> dict:
 def test_a_starved_loaders_worker_fix_is_verified_faster_and_ranked_first(tmp_path):
     # 60 steps of ~27 ms: enough host samples (4 Hz) for the doctor to see that the fetch waits rather than computes,
     # so it recommends workers that overlap the waits rather than one per spare core.
-    r = stepscope_run(
+    r = stepscope_here(
         tmp_path, "--ceiling-batches", "0", "--verify", "1", script("slow_loader.py"), "--sample-ms", "3",
-        warmup=3, steps=60, verb="doctor", timeout=400,
+        warmup=3, steps=60, verb="doctor",
     )  # fmt: skip
     assert r.returncode == 0, r.describe()
     s = r.summary
@@ -106,7 +106,8 @@ def test_a_fix_that_does_nothing_reads_no_detectable_difference(tmp_path):
     summary = RunSummary(fixes=[fix("loader.pin_memory")])
     target = script_target(script("slow_loader.py"), ["--sample-ms", "1", "--num-workers", "2"])
     chosen = plan(summary.fixes, top=1, allow_numerics=False)
-    result = verify(target, summary, chosen, Settings(repeats=3, steps=15, warmup=3), budget_s=None, log=print)
+    with scripts_here():
+        result = verify(target, summary, chosen, Settings(repeats=3, steps=15, warmup=3), budget_s=None, log=print)
     assert result is not None
     measured = summary.fixes[0].measured
     # Sleep-bound steps vary so little that a change of load between interleaved runs (other tests) can read as a
