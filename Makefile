@@ -32,8 +32,9 @@ doctor-demo: $(VENV)/.base
 
 # Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves. A module's
 # tests that share a module-scoped fixture stay on one worker (tests/conftest.py groups them), so the training run
-# they share starts once: almost all of the suite's time is such processes' start-up (torch and torch._dynamo, ~3 s
-# of CPU each). The other tests spread freely (whole files per worker left one worker alone on the slowest file).
+# they share starts once: most of the suite's time is training processes' start-up (torch and torch._dynamo, ~2.5 s
+# of CPU each), which is why tests of figures run their script inside the test process (tests/run_helpers.py,
+# cli_here). The other tests spread freely (whole files per worker left one worker alone on the slowest file).
 test: $(VENV)/.installed lint chromium
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=15
 	$(PY) -m pytest -q -m serial --durations=5

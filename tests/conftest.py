@@ -224,15 +224,17 @@ def locked_folder(tmp_path: Path) -> Iterator[Path]:
         folder.chmod(0o700)
 
 
-# The suite's longest tests (20-80 s each: real A/Bs, verifications, a tune search), started first: xdist hands out
-# tests in collection order, and these, alphabetically late, otherwise left one worker running alone at the end.
+# The suite's longest tests (10-30 s each: a loader sweep, two-node jobs, a doctor beside a burner, a hung DDP job),
+# started first: xdist hands out tests in collection order, and these, alphabetically late, otherwise left one worker
+# running alone at the end.
 SLOW_FIRST = (
-    "tests/test_tune.py::test_tune_finds_the_thread_count_of_a_real_script",
-    "tests/test_verify.py::test_a_starved_loaders_worker_fix_is_verified_faster_and_ranked_first",
-    "tests/test_ab.py::test_real_starved_loader_gain_is_found_with_3_runs_and_an_a_a_reads_no_difference",
     "tests/test_doctor.py::test_doctor_sweep_ranks_the_loader_settings_by_the_runs_own_step",
-    "tests/test_verify.py::test_a_fix_that_does_nothing_reads_no_detectable_difference",
-    "tests/test_ab.py::test_real_ab_finds_a_halved_step",
+    "tests/test_multinode.py::test_a_two_node_torchrun_job_merges_into_one",
+    "tests/test_scenarios.py::test_beside_a_cpu_burner_the_doctor_is_right_or_says_the_machine_is_busy"
+    "[workers-oversubscribed]",
+    "tests/test_scenarios.py::test_doctor_names_the_bound_and_the_first_fix[workers-oversubscribed]",
+    "tests/test_multinode.py::test_a_two_node_job_through_a_shared_out_folder",
+    "tests/test_hang.py::test_ddp_a_hung_rank_is_named_with_its_line_and_its_waiting_peer_is_not_the_straggler",
 )
 
 
