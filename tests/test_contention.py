@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import subprocess
 import threading
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
-from run_helpers import run_env, script, stepscope_cmd
+from run_helpers import cli_here, run_env, script, stepscope_cmd
 from test_rules import loader, make_summary, threads_fact
 
 from stepscope.collectors.host import (
@@ -501,15 +501,18 @@ def test_workers_beside_default_threads_are_data_bound_and_fewer_threads_come_fi
 
 
 def doctor(tmp_path, *args: str, drop_omp: bool = False, steps: int = 200, warmup: int = 10) -> RunSummary:
+    """`stepscope doctor` with the script's training process run in this one (``cli_here``), in the environment
+    ``stepscope_run`` gives a child, less OMP_NUM_THREADS with ``drop_omp`` (torch's default: a thread per core)."""
     env = run_env()
     if drop_omp:
-        env.pop("OMP_NUM_THREADS")  # torch's default: one intra-op thread per core
+        env.pop("OMP_NUM_THREADS")
     json_path = tmp_path / "s.json"
     cmd = stepscope_cmd(json_path, "--sample-hz", "10", *args, warmup=warmup, steps=steps, verb="doctor")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0 and json_path.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    with mock.patch.dict(os.environ, env, clear=True):
+        code, stdout, stderr = cli_here(tmp_path, cmd)
+    assert code == 0 and json_path.exists(), stdout[-4000:] + stderr[-4000:]
     summary = RunSummary.from_json(json_path)
-    summary.notes.append(proc.stdout[-4000:])  # for assertion messages
+    summary.notes.append(stdout[-4000:])  # for assertion messages
     return summary
 
 

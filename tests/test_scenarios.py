@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from run_helpers import RunResult, script, stepscope_run, torchrun
+from run_helpers import RunResult, script, stepscope_here, stepscope_run, torchrun
 
 from stepscope.doctor.verdict import OVERSUBSCRIBED
 
@@ -67,7 +67,9 @@ def doctor(tmp_path, scenario: Scenario) -> RunResult:
     name, *args = scenario.args
     command = [*torchrun(), script(name), *args] if scenario.torchrun else [script(name), *args]
     options = ["--ceiling-batches", "0", "--"] if scenario.torchrun else []
-    return stepscope_run(tmp_path, *options, *command, warmup=5, steps=scenario.steps, timeout=240, verb="doctor")
+    if scenario.torchrun:
+        return stepscope_run(tmp_path, *options, *command, warmup=5, steps=scenario.steps, timeout=240, verb="doctor")
+    return stepscope_here(tmp_path, *command, warmup=5, steps=scenario.steps, verb="doctor")  # a process saved
 
 
 def contention_stated(r: RunResult) -> bool:

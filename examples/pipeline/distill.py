@@ -68,7 +68,10 @@ def ray_slots(args, mon):
 
     from stepscope.pipeline.ray import RayReporter
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     reporter = RayReporter(mon, poll_s=0.25, flush_s=0.25)
     Engine = ray.remote(num_cpus=0, max_concurrency=args.concurrency)(
         reporter.timed(FakeEngine, "generate", samples=lambda out: len(out[0]))
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="how long to train")
     parser.add_argument("--window-s", type=float, default=4.0)
     parser.add_argument("--ray", action="store_true", help="engines as Ray actors on a local Ray")
+    parser.add_argument("--ray-address", help="with --ray: join this running Ray (ray.init(address=...)) instead")
     parser.add_argument("--json", help="write the RunSummary (with the pipeline's figures) here")
     args = parser.parse_args()
 
