@@ -262,12 +262,19 @@ def scripts_here() -> Iterator[None]:
 
 
 def stepscope_here(
-    tmp_path: Path, *args: str, warmup: int | None = 3, steps: int | None = 20, verb: str = "run"
+    tmp_path: Path,
+    *args: str,
+    warmup: int | None = 3,
+    steps: int | None = 20,
+    verb: str = "run",
+    env: dict[str, str] | None = None,
 ) -> RunResult:
-    """``stepscope_run`` with the training process run in this one (``cli_here``)."""
+    """``stepscope_run`` with the training process run in this one (``cli_here``); ``env`` adds to the environment
+    of stepscope and the script."""
     json_path = tmp_path / "s.json"
     cmd = stepscope_cmd(json_path, *args, warmup=warmup, steps=steps, verb=verb)
-    return RunResult(cmd, *cli_here(tmp_path, cmd), json_path)
+    with mock.patch.dict(os.environ, env or {}):
+        return RunResult(cmd, *cli_here(tmp_path, cmd), json_path)
 
 
 def free_port() -> int:

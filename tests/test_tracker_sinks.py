@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from run_helpers import free_port, run_env, script, stepscope_cmd, stepscope_run
+from run_helpers import free_port, run_env, script, stepscope_cmd, stepscope_here
 
 from stepscope import Scope
 from stepscope.sinks.trackers import (
@@ -291,7 +291,7 @@ def test_run_with_an_mlflow_server_sink(live_mlflow, tmp_path):
     jsonl = tmp_path / "m.jsonl"
     since_ms = int(time.time() * 1000)
     sinks = ("--sink", f"mlflow:{live_mlflow.url}", "--metrics-jsonl", str(jsonl))
-    r = stepscope_run(tmp_path, *sinks, script("basic.py"), warmup=3, steps=12, env=MLFLOW_QUIET, timeout=300)
+    r = stepscope_here(tmp_path, *sinks, script("basic.py"), warmup=3, steps=12, env=MLFLOW_QUIET)
     assert r.returncode == 0, r.describe()
     (run,) = runs_since(live_mlflow.url, "stepscope", since_ms)
     history = MlflowClient(tracking_uri=live_mlflow.url).get_metric_history(run.info.run_id, "perf/step_time")
