@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from run_helpers import stepscope_run, torchrun
+from run_helpers import stepscope_here, stepscope_run, torchrun
 
 from stepscope import cli
 from stepscope.analyses.loader import MAX_WORKERS
@@ -266,13 +266,13 @@ def test_host_threads_sets_the_intra_op_threads_and_guards_them(injected: Any) -
 
 def test_apply_workers_foreach_and_anomaly_off(tmp_path: Path) -> None:
     train = _script(tmp_path, "train.py", TRAIN)
-    plain = stepscope_run(tmp_path / "plain", "--no-stop", str(train), warmup=1, steps=4)
+    plain = stepscope_here(tmp_path / "plain", "--no-stop", str(train), warmup=1, steps=4)
     assert plain.returncode == 0, plain.describe()
     as_written = _seen(plain.stdout)
     assert as_written == {"foreach": False, "workers": 0, "worker_pids": 0, "anomaly": [True]}, plain.describe()
     assert plain.summary.applied == []
 
-    fixed = stepscope_run(
+    fixed = stepscope_here(
         tmp_path / "fixed", "--no-stop", "--apply", "loader.num_workers=2", "--apply", "optimizer.foreach",
         "--apply", "debug.anomaly=off", str(train), warmup=1, steps=4,
     )  # fmt: skip
@@ -298,14 +298,14 @@ def test_apply_workers_foreach_and_anomaly_off(tmp_path: Path) -> None:
 def test_unknown_fix_is_a_usage_error_before_the_script_runs(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     train = _script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
-    result = stepscope_run(tmp_path, "--apply", "loader.workers=2", str(train))
+    result = stepscope_here(tmp_path, "--apply", "loader.workers=2", str(train))
     assert result.returncode == 2, result.describe()
     assert "'loader.workers' is not a fix stepscope can apply; appliable: loader.num_workers" in result.stderr
     assert not marker.exists()
 
 
-# The command's own entry point, in this process: the test above checks the real command's exit status and stderr
-# for a refused --apply; the values here take the same path, and a process each would cost a Python start apiece.
+# The command's own entry point, in this process, as the test above runs it: the values here take the same path as
+# its refused --apply.
 @pytest.mark.parametrize("value", ["100000", "²", "١", "LIMIT+1"])
 def test_a_worker_count_out_of_bounds_is_a_usage_error_before_the_script_runs(
     tmp_path: Path, value: str, capsys: pytest.CaptureFixture[str]
@@ -343,7 +343,7 @@ def test_fix_without_a_chance_is_recorded_and_the_script_is_unchanged(tmp_path: 
     )
     # What the script prints on its own (its source above fixes it: no run without stepscope is needed to learn it).
     plain_stdout, plain_stderr = "".join(f"step {step}\n" for step in range(6)), "bye\n"
-    result = stepscope_run(tmp_path, "--no-stop", "--apply", "loader.num_workers=2", str(train), warmup=1, steps=2)
+    result = stepscope_here(tmp_path, "--no-stop", "--apply", "loader.num_workers=2", str(train), warmup=1, steps=2)
     assert result.returncode == 3, result.describe()
     assert result.stdout.startswith(plain_stdout), result.describe()  # the script's lines first, then the report
     assert result.stderr.startswith(plain_stderr), result.describe()

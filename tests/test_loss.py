@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from run_helpers import script, stepscope_run
+from run_helpers import script, stepscope_here
 from torch import nn
 
 from stepscope.analyses.ab import RunFigures, run_figures, variant_result
@@ -142,7 +142,7 @@ def test_run_keeps_the_scripts_own_loss_and_bf16_shows_beside_the_baseline(tmp_p
     # those very values; with --apply precision.bf16 they move by bf16's rounding only, and tune's comparison
     # names the setting that changed numerics.
     runs = [
-        stepscope_run(tmp_path / name, *apply, script("seeded_loss.py"), warmup=2, steps=5)
+        stepscope_here(tmp_path / name, *apply, script("seeded_loss.py"), warmup=2, steps=5)
         for name, apply in (("baseline", ()), ("bf16", ("--apply", "precision.bf16")))
     ]
     for r in runs:

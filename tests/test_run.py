@@ -301,7 +301,7 @@ def test_autocast_bf16(tmp_path):
     reason="torch.compile is unavailable",
 )
 def test_torch_compile(tmp_path):
-    r = stepscope_run(tmp_path, script("compiled.py"), warmup=2, steps=5, timeout=180)
+    r = stepscope_here(tmp_path, script("compiled.py"), warmup=2, steps=5)
     assert r.returncode == 0, r.describe()
     s = r.summary
     check_consistent(s, r)
