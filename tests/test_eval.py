@@ -66,6 +66,33 @@ def test_an_eval_pass_in_the_middle_of_a_step_is_cut_out_of_it(clock):
     assert summary.eval["passes"] == 3 and summary.eval["phases_ms"]["forward"] == pytest.approx(30.0)
 
 
+def test_a_pass_that_takes_its_loaders_first_fetch_leaves_the_step_what_it_claimed_beside_it(clock):
+    # `stepscope run` moves a validation loader's first fetch (made before the pass's first forward) into the pass.
+    # The step claimed 2 ms between that fetch and the pass (a copy, or stepscope's own hooks on a loaded machine):
+    # the step keeps them, and its phases never add up to more than the step.
+    scope = Scope(warmup=0, clock=clock, system_interval_s=None)
+    for _ in range(3):
+        fetch_start = clock.ns
+        with scope.phase("data_wait"):  # the validation loader's first batch, in the step until the pass ends
+            clock.advance(3.0)
+        with scope.phase("h2d"):
+            clock.advance(2.0)
+        scope._begin_eval(clock.ns)
+        with scope.phase("forward"):
+            clock.advance(10.0)
+        scope._end_eval(clock.ns, forwards=1, batches=1, moved={"data_wait": 3_000_000}, moved_start_ns=fetch_start)
+        with scope.phase("forward"):
+            clock.advance(5.0)
+        scope.step()
+    summary = scope.summary()
+    assert summary.phases["total"].mean_ms == pytest.approx(7.0)
+    assert summary.phases["h2d"].mean_ms == pytest.approx(2.0) and summary.phases["forward"].mean_ms == pytest.approx(5)
+    assert "data_wait" not in summary.phases or summary.phases["data_wait"].mean_ms == pytest.approx(0.0)
+    assert summary.eval["mean_ms"] == pytest.approx(13.0), summary.eval
+    assert summary.eval["phases_ms"] == pytest.approx({"data_wait": 3.0, "forward": 10.0, "other": 0.0}), summary.eval
+    assert summary.invariants == [], summary.invariants
+
+
 def test_eval_during_warm_up_is_cut_out_but_not_counted_and_nested_eval_is_one_pass(clock):
     scope = Scope(warmup=2, clock=clock, system_interval_s=None)
     with scope.phase("eval"):  # before any step: the first step begins after it

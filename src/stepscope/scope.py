@@ -817,14 +817,18 @@ class Scope:
             self._claimed_ns += claimed_inside
             return
         start_ns = window.start_ns
+        wall_ns = t1 - start_ns
         if moved and moved_start_ns is not None:
             for name, ns in moved.items():
                 self._current[name] = self._current.get(name, 0) - ns
                 inside[name] = inside.get(name, 0) + ns
                 self._claimed_ns -= ns
                 claimed_inside += ns
+            # The pass takes the moved time itself, not the stretch from the first moved fetch on: the step may have
+            # claimed time in that stretch (another fetch, stepscope's own), and cutting it too would leave the step
+            # shorter than its phases (a loaded machine stretches the hooks there by milliseconds).
+            wall_ns += sum(moved.values())
             start_ns = min(start_ns, moved_start_ns)
-        wall_ns = t1 - start_ns
         if window.step_start_ns is not None:
             self._step_start_ns = window.step_start_ns + wall_ns
             self._cut_ns += wall_ns
