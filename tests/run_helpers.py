@@ -135,9 +135,17 @@ class _ScriptHere:
         with _script_state(argv[1], env):
             tracker, undo = bootstrap.instrument(json.loads(env[bootstrap.ENV_CONFIG]))
             at_exit: list[Any] = []
+
+            def register(function: Any, *args: Any, **kwargs: Any) -> Any:
+                if getattr(function, "__module__", None) != "__main__":  # torch's, a library's: this process's
+                    return real_register(function, *args, **kwargs)
+                at_exit.append((function, args, kwargs))
+                return function
+
+            real_register = atexit.register
             try:
                 sys.argv = argv[1:]
-                with mock.patch.object(atexit, "register", lambda f, *a, **k: at_exit.append((f, a, k))):
+                with mock.patch.object(atexit, "register", register):
                     runpy.run_path(argv[1], run_name="__main__")
             except SystemExit as end:  # StopRun among them
                 code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
@@ -148,7 +156,10 @@ class _ScriptHere:
             finally:
                 undo()
             for function, args, kwargs in reversed(at_exit):  # the script's exit handlers run before stepscope's
-                function(*args, **kwargs)
+                try:
+                    function(*args, **kwargs)
+                except Exception:  # printed, and the next handler runs, as at a process's exit
+                    traceback.print_exc()
             bootstrap._write_summary(tracker, final=True)
         self.returncode = code
 
@@ -213,8 +224,8 @@ def cli_here(tmp_path: Path, cmd: list[str]) -> tuple[int, str, str]:
     """``python -m stepscope.cli VERB ...`` (``cmd``) with its training process run in this one: the CLI, its
     options, the launcher's merge and the report are the real ones; the script runs here under the hooks bootstrap
     installs in a child (``_ScriptHere``). For tests of what stepscope measures on a loop; the process itself (argv,
-    signals, exit codes, launchers, environment) needs a real ``stepscope`` process. Returns the exit code, stdout
-    and stderr."""
+    signals, exit codes, launchers, what a process starts with) needs a real ``stepscope`` process. Returns the
+    exit code, stdout and stderr."""
     from stepscope import cli
 
     assert cmd[:3] == [sys.executable, "-m", "stepscope.cli"], cmd
