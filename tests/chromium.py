@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-START_TIMEOUT_S = 30.0
+# Chromium starts in 1-2 s on a quiet 2-core VM; once, on a fresh clone's suite with both test workers training, it
+# opened no page within 30 s. Its start forks a zygote and helper processes, each waiting for a core there.
+START_TIMEOUT_S = 90.0
 
 
 def find_chromium() -> str | None:
