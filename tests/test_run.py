@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from run_helpers import (
@@ -547,16 +548,21 @@ def test_sigterm_still_writes_the_summary(tmp_path, target):
     check_consistent(s)
 
 
-def test_a_killed_script_leaves_its_last_checkpoint(tmp_path):
-    # SIGKILL (the OOM killer) runs no exit handler: only the periodic checkpoint can carry the figures out.
+def test_a_killed_script_keeps_its_steps_from_the_stream_over_its_last_checkpoint(tmp_path):
+    # SIGKILL (the OOM killer) runs no exit handler: the step stream carries every step out, and the last checkpoint
+    # (every 1 s here) what the stream does not hold.
     stdout, json_path = _sigkill_the_script(tmp_path, ["--checkpoint-s", "1"], after_s=2.5)  # a checkpoint or two
     s = RunSummary.from_json(json_path)
     assert s.exit.reason == "killed", s.exit
     assert s.exit.code == 137
-    assert "killed by signal 9" in s.exit.error
-    assert s.steps.measured >= 10, s.steps  # ~5 ms steps for over 1 s, checkpointed every 1 s
+    assert s.exit.error == f"killed by SIGKILL after step {s.steps.warmup + s.steps.measured}", s.exit
+    assert s.steps.measured >= 10, s.steps  # ~5 ms steps for 2.5 s
+    (note,) = [n for n in s.notes if n.startswith("from the step stream")]
+    checkpointed = int(note.split("its last checkpoint had ")[1].split(")")[0])
+    assert 0 < checkpointed < s.steps.measured, note  # the steps since the last checkpoint are kept too
+    assert s.system is not None, "the checkpoint's host figures are kept"
     check_consistent(s)
-    assert "the script was killed by signal 9" in stdout
+    assert "the script was killed by SIGKILL after step" in stdout
 
 
 def _sigkill_the_script(tmp_path, options: list[str], after_s: float) -> tuple[str, Path]:
@@ -582,16 +588,39 @@ def _sigkill_the_script(tmp_path, options: list[str], after_s: float) -> tuple[s
     return "".join(lines), json_path
 
 
-def test_a_script_killed_before_its_first_checkpoint_is_killed_not_failed(tmp_path):
-    # SIGKILL a few steps in, long before the first checkpoint (30 s): nothing survives, and the summary says why.
+def test_a_script_killed_before_its_first_checkpoint_is_killed_not_failed_and_keeps_its_steps(tmp_path):
+    # SIGKILL a few steps in, long before the first checkpoint (30 s): the stream has every step closed by then.
     stdout, json_path = _sigkill_the_script(tmp_path, [], after_s=0.0)
     s = RunSummary.from_json(json_path)
     assert (s.exit.reason, s.exit.code) == ("killed", 137), s.exit
-    assert s.exit.error.startswith("killed by signal 9 after "), s.exit
-    assert "no figures survived" in s.exit.error, s.exit
+    assert s.exit.error == f"killed by SIGKILL after step {s.steps.warmup + s.steps.measured}", s.exit
+    assert s.steps.warmup == 2 and s.steps.measured >= 1, s.steps  # READY comes after the 5th step
+    assert any(n.endswith("host time only.") for n in s.notes), s.notes  # no checkpoint to add to it
+    assert "the script was killed by SIGKILL after step" in stdout, stdout
+
+
+def test_a_command_killed_before_any_step_says_no_figures_survived(tmp_path):
+    # Killed while it imports: no step closed, so no stream and no checkpoint.
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("sleepy_forever.py"), "--sleep-ms", "5", warmup=2, steps=100_000)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            children = psutil.Process(proc.pid).children()
+            if children:
+                children[0].send_signal(signal.SIGKILL)  # the script, as soon as it exists: long before its steps
+                break
+            time.sleep(0.01)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    s = RunSummary.from_json(json_path)
+    assert (s.exit.reason, s.exit.code) == ("killed", 137), s.exit
+    assert s.exit.error.startswith("killed by signal 9 after ") and "no figures survived" in s.exit.error, s.exit
     assert s.steps.measured == 0 and not s.ranks, s.steps
-    (note,) = [n for n in s.notes if "checkpoint" in n]
-    assert "before any of its processes wrote a checkpoint" in note and "first was due 30 s" in note, note
+    (note,) = [n for n in s.notes if "no figures survived" in n]
+    assert "before any of its processes closed a training step" in note, note
     assert "the script was killed by signal 9 after" in stdout, stdout
     assert "before importing torch" not in stdout + "".join(s.notes), stdout
 

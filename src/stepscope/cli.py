@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope import __version__
+from stepscope.instrument import HANG_AFTER, MIN_HANG_S, PROGRESS_MODES
 from stepscope.summary import RunSummary, SummaryError
 
 
@@ -63,6 +64,8 @@ _VALUED = {
     "--run-timeout-s",
     "--sweep-budget-s",
     "--repeats",
+    "--progress",
+    "--hang-after",
 }
 # Options whose value may be left out: the next word is theirs only when it is a number (``--verify 2 train.py``).
 _OPTIONAL_VALUE = {"--verify"}
@@ -175,7 +178,15 @@ def _run(args: argparse.Namespace) -> int:
     _check_outputs(args, json="summary", html="report")
     started = time.time()
     out = _out_folder(args.out)
-    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy), out=out, out_wait_s=args.out_wait_s)
+    code, summary = run(
+        target,
+        config,
+        py_spy=_py_spy_out(args.py_spy),
+        out=out,
+        out_wait_s=args.out_wait_s,
+        progress=_progress(args.progress),
+        hang_after=args.hang_after,
+    )
     _attach_trace(args, summary, started)
     check(summary)
     _print_report(print_summary, summary, written=_save_summary(args, summary))
@@ -365,6 +376,25 @@ def _py_spy_out(path_text: str | None) -> Path | None:
     return path
 
 
+def _watch(args: argparse.Namespace) -> int:
+    from stepscope.instrument.watch import WatchError, watch
+    from stepscope.report.terminal import print_summary
+
+    _check_outputs(args, json="summary")
+    try:
+        summary, ended = watch(Path(args.folder), _progress(args.progress), args.hang_after)
+    except WatchError as error:
+        raise UsageError(str(error)) from None
+    if summary is None:
+        print(f"stepscope watch: no step was written into {args.folder} before Ctrl-C.")
+        return 130
+    written = ["stepscope watch: stopped by Ctrl-C; the job runs on, and these are its figures so far."]
+    if args.json:
+        _save("--json", args.json, "summary", summary.to_json, written)
+    _print_report(print_summary, summary, written=written if not ended else written[1:])
+    return 0 if ended else 130
+
+
 def _dump(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -439,7 +469,14 @@ def _doctor(args: argparse.Namespace) -> int:
     _check_outputs(args, json="summary", html="report")
     started = time.time()
     # With --verify, a stop asked for during the run or the diagnosis is recorded, and no verify run starts.
-    code, summary = run(target, config, py_spy=_py_spy_out(args.py_spy), more_runs=bool(args.verify))
+    code, summary = run(
+        target,
+        config,
+        py_spy=_py_spy_out(args.py_spy),
+        more_runs=bool(args.verify),
+        progress=_progress(args.progress),
+        hang_after=args.hang_after,
+    )
     summary.notes += notes
     _attach_trace(args, summary, started)
     examine(summary, lint)
@@ -637,6 +674,12 @@ _positive_seconds = _finite(0.0)
 _seconds_or_zero = _finite(0.0, zero=True)
 
 
+def _progress(mode: str) -> Any:
+    from stepscope.report.progress import make_progress
+
+    return make_progress(mode)
+
+
 RUN_TIMEOUT_HELP = (
     "end a run still going after this many seconds, with its whole process tree, and leave it out (default: 5x the "
     "first run, at least 60 s)"
@@ -675,6 +718,21 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
         default=30.0,
         help=f"each process writes its figures so far this often (s, at least {MIN_CHECKPOINT_S:g}; default 30), so "
         "a killed process still leaves them",
+    )
+    verb.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="while the script runs: a live status line (live), a line every 5 s for logs (plain) or nothing (none); "
+        "default: live on a terminal, plain otherwise",
+    )
+    verb.add_argument(
+        "--hang-after",
+        type=_finite(1.0),
+        default=HANG_AFTER,
+        metavar="N",
+        help=f"a process that closes no step for N times its median step (and at least {MIN_HANG_S:g} s) is reported "
+        f"as stalled (default {HANG_AFTER:g})",
     )
     verb.add_argument(
         "--sink",
@@ -998,6 +1056,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dump.add_argument("--json", metavar="PATH", help="write the threads, stacks and verdict here")
     dump.set_defaults(func=_dump)
+
+    watch = commands.add_parser(
+        "watch",
+        help="follow a running job from its --out folder (another terminal or node): live progress, then its summary",
+        description="Follows the step streams the job's processes write into DIR (`stepscope run --out DIR`), with "
+        "the same progress as `stepscope run`, and prints the job's summary when it ends. It needs no connection to "
+        "the job; Ctrl-C ends the watch, never the job. Exit code: 0 when the job ended, 130 on Ctrl-C.",
+    )
+    watch.add_argument("folder", metavar="DIR", help="the job's run folder (its --out)")
+    watch.add_argument(
+        "--progress", choices=PROGRESS_MODES, default="auto", help="live (a terminal's default), plain or none"
+    )
+    watch.add_argument(
+        "--hang-after",
+        type=_finite(1.0),
+        default=HANG_AFTER,
+        metavar="N",
+        help=f"a process with no step for N times its median step (at least {MIN_HANG_S:g} s) is stalled "
+        f"(default {HANG_AFTER:g})",
+    )
+    watch.add_argument("--json", metavar="PATH", help="write the job's summary here")
+    watch.set_defaults(func=_watch)
 
     scale = commands.add_parser(
         "scale",

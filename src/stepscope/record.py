@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,11 @@ OTHER_PHASE = "other"
 # ``other``
 OWN_PHASE = "stepscope"
 TOTAL = "total"
+
+
+def _not_streamed(*args: Any) -> None:
+    """Where kept steps and passes go when the process keeps no step stream (see stream.py)."""
+    return None
 
 
 class StreamingStats:
@@ -175,9 +181,11 @@ class EvalPasses:
     phases_ns: dict[str, int] = field(default_factory=dict)
     forwards: int = 0
     batches: int = 0
+    on_add: Callable[[int, dict[str, int], int], None] = _not_streamed  # (wall ns, phases ns, batches)
 
     def add(self, duration_ns: int, phases_ns: dict[str, int], forwards: int = 0, batches: int = 0) -> None:
         """One pass: its wall time (ns), the time of the phases inside it (ns), its forwards and batches."""
+        self.on_add(duration_ns, phases_ns, batches)
         self.durations.add(duration_ns / 1e9)
         for name, ns in phases_ns.items():
             self.phases_ns[name] = self.phases_ns.get(name, 0) + ns
@@ -250,6 +258,7 @@ class Recorder:
     _unfolded: list[StepRecord] = field(default_factory=list)
     _unfolded_device: list[dict[str, float]] = field(default_factory=list)
     _held: list[tuple[StepRecord, bool]] = field(default_factory=list)  # (record, measured) awaiting release
+    on_keep: Callable[[StepRecord, bool], None] = _not_streamed  # each step as it is kept: (record, measured)
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -294,6 +303,7 @@ class Recorder:
         return [record for record, measured in held if measured]
 
     def _keep(self, record: StepRecord, measured: bool) -> None:
+        self.on_keep(record, measured)
         self.series.add(record.step_ns)
         if measured:
             self.recent.append(record)
@@ -401,3 +411,14 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
         step_time_ms=_ms(step.mean),
     )
     return summary
+
+
+def add_wall_rates(summary: RunSummary) -> None:
+    """The rates over the measured wall window (validation and the time between steps included), beside the step
+    rates: ``wall_steps_per_s`` and ``wall_samples_per_s``."""
+    throughput, wall = summary.throughput, summary.wall
+    if wall is None or wall.window_s <= 0:
+        return
+    throughput.wall_steps_per_s = summary.steps.measured / wall.window_s
+    if throughput.samples_per_s is not None:
+        throughput.wall_samples_per_s = throughput.samples_per_s * wall.steps_s / wall.window_s

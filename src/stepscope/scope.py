@@ -40,6 +40,7 @@ from stepscope.record import (
     EvalPasses,
     Recorder,
     StepRecord,
+    add_wall_rates,
     summarize,
 )
 from stepscope.sinks.base import NO_SINKS, Sink, SinkSet
@@ -596,11 +597,8 @@ class Scope:
         summary = summarize(self._recorder, self._timing_used)
         summary.meta = self._meta()
         summary.wall = self._wall(self._recorder.step_stats.total) if summary.steps.measured else None
+        add_wall_rates(summary)
         throughput = summary.throughput
-        if summary.wall is not None and summary.wall.window_s > 0:
-            throughput.wall_steps_per_s = summary.steps.measured / summary.wall.window_s
-            if throughput.samples_per_s is not None:
-                throughput.wall_samples_per_s = throughput.samples_per_s * summary.wall.steps_s / summary.wall.window_s
         if self.flops_per_step and throughput.step_time_ms:
             throughput.flops_per_step = self.flops_per_step
             throughput.tflops = self.flops_per_step / (throughput.step_time_ms / 1e3) / 1e12

@@ -3,3 +3,9 @@
 
 class LaunchError(Exception):
     """The command could not be started (missing script, unknown launcher)."""
+
+
+# The options of following a run's steps (follow.py), here so that the command line reads them without importing it.
+HANG_AFTER = 20.0  # no step for this many median steps is a stall (``--hang-after``) ...
+MIN_HANG_S = 10.0  # ... and for at least this long: a pause of seconds (a checkpoint save) is not one
+PROGRESS_MODES = ("auto", "live", "plain", "none")

@@ -86,6 +86,7 @@ def instrument(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
     from stepscope.instrument.profile import ProfileWindow
     from stepscope.instrument.tracker import RunConfig, Tracker
     from stepscope.scope import enabled_scope
+    from stepscope.stream import ProcessStream
 
     config = RunConfig(**options)
     scope_options = {
@@ -110,7 +111,30 @@ def instrument(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
         )
         scope = enabled_scope(**scope_options, profile=profile)
     tracker = Tracker(scope, config)
+    tracker.stream = ProcessStream(scope._recorder, scope._eval, Path(config.out_dir), lambda: _stream_meta(tracker))
     return tracker, install(tracker)
+
+
+def _stream_meta(tracker: Any) -> dict[str, Any]:
+    """Who the process is, for its step stream's header (read at its first kept step: its rank is known by then)."""
+    config, meta, who = tracker.config, tracker.scope._meta(), identify()
+    return {
+        "rank": who.rank,
+        "local_rank": who.local_rank,
+        "world_size": who.world_size,
+        "node_rank": who.node_rank,
+        "job_id": who.job_id,
+        "hostname": who.hostname,
+        "pid": who.pid,
+        "launch_id": config.launch_id,
+        "command": meta.command,
+        "started_at": meta.started_at,
+        "stepscope_version": meta.stepscope_version,
+        "torch_version": meta.torch_version,
+        "python_version": meta.python_version,
+        "warmup": config.warmup,
+        "steps": config.steps if config.stop else None,
+    }
 
 
 def _start(options: dict[str, Any]) -> None:
@@ -293,5 +317,7 @@ def _write_summary(tracker: Any, final: bool) -> None:
         tmp = path.with_suffix(".tmp")
         summary.to_json(tmp)
         tmp.replace(path)
+        if final:
+            tracker.stream.close()
     except Exception as error:
         print(f"stepscope: could not write the summary ({type(error).__name__}: {error}).", file=sys.stderr)

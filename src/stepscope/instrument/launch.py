@@ -30,6 +30,7 @@ from stepscope.doctor.verdict import classify
 from stepscope.instrument import LaunchError
 from stepscope.instrument.bootstrap import ENV_CONFIG
 from stepscope.instrument.collect import RANK_FILES, Gathered, MergeError, check_one_job, gather, wait_for_ranks
+from stepscope.instrument.follow import HANG_AFTER, NO_PROGRESS, Follow, Progress, complete, stall_notes
 from stepscope.instrument.merge import merge
 from stepscope.instrument.pyspy import RecordedProcess
 from stepscope.instrument.tracker import RunConfig
@@ -250,14 +251,12 @@ def _job_ranks(out_dir: Path, own: list[RunSummary], wait_s: float) -> tuple[lis
     return ranks, found.notes
 
 
-def _killed_early_note(code: int, ran_s: float, checkpoint_s: float) -> str:
-    """Why a command killed by a signal left no figures: a process writes them at exit (which a kill skips) and at
-    checkpoints, and none was due yet."""
+def _killed_early_note(code: int, ran_s: float) -> str:
+    """Why a command killed by a signal left no figures: it was killed before any of its processes closed a step
+    (a process's steps reach its step stream as they close; its summary is written at exit, which a kill skips)."""
     return (
         f"no figures survived: the command was killed by signal {code - 128} after {ran_s:.1f} s, before any of its "
-        f"processes wrote a checkpoint. A process writes its figures when it exits (a kill skips that) and every "
-        f"--checkpoint-s ({checkpoint_s:g} s) after it imports torch, so the first was due "
-        f"{checkpoint_s:g} s into its run; a smaller --checkpoint-s keeps figures from runs killed that early."
+        "processes closed a training step (each completed step is kept, whatever way the process dies)."
     )
 
 
@@ -271,6 +270,8 @@ def run(
     own_group: bool = False,
     timeout_s: float | None = None,
     more_runs: bool = False,
+    progress: Progress = NO_PROGRESS,
+    hang_after: float = HANG_AFTER,
 ) -> tuple[int, RunSummary]:
     """Run the target instrumented; returns its exit code and the (merged) summary. With ``py_spy``, py-spy
     records a flame graph of the whole command there (see pyspy.py); it never changes the run. ``env`` adds to
@@ -281,7 +282,11 @@ def run(
     seconds and merged with this node's.
 
     ``own_group`` runs the command in a session of its own (one run of several: see ``_wait``); past ``timeout_s``
-    seconds its whole tree is ended and the summary's exit reason is ``timeout``."""
+    seconds its whole tree is ended and the summary's exit reason is ``timeout``.
+
+    The processes' step streams are followed while the command runs (``progress`` shows them; a process with no step
+    for ``hang_after`` median steps is noted as stalled), and a process that wrote no summary gets one from its
+    stream (see follow.py)."""
     out_dir = out.resolve() if out is not None else Path(tempfile.mkdtemp(prefix="stepscope-run-"))
     launch_id = uuid.uuid4().hex
     config = dataclasses.replace(
@@ -289,20 +294,27 @@ def run(
     )
     try:
         child_env = _child_env(config, env)
+        follow = Follow(out_dir, launch_id, progress, hang_after)
         started = time.monotonic()
+        follow.start()
         try:
-            process: subprocess.Popen[bytes] | RecordedProcess
-            if own_group:
-                expect_stops()  # a previous run's SIG_IGN must not pass to this one
-            if py_spy is None:
-                process = subprocess.Popen(target.argv, env=child_env, start_new_session=own_group)
-            else:
-                process = RecordedProcess(target.argv, child_env, py_spy)
-        except OSError as error:
-            raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
-        code, timed_out = _wait(process, own_group, timeout_s, more_runs)
+            try:
+                process: subprocess.Popen[bytes] | RecordedProcess
+                if own_group:
+                    expect_stops()  # a previous run's SIG_IGN must not pass to this one
+                if py_spy is None:
+                    process = subprocess.Popen(target.argv, env=child_env, start_new_session=own_group)
+                else:
+                    process = RecordedProcess(target.argv, child_env, py_spy)
+            except OSError as error:
+                raise LaunchError(f"cannot start {target.argv[0]!r}: {error.strerror}.") from error
+            code, timed_out = _wait(process, own_group, timeout_s, more_runs)
+        finally:
+            follow.stop()
         ran_s = time.monotonic() - started
         summaries, notes = _read_ranks(out_dir, launch_id)
+        summaries = complete(summaries, follow, code, target.launcher)
+        notes += stall_notes(follow)
         if isinstance(process, RecordedProcess):
             pids = {r.meta.pid: (r.meta.rank or 0, r.meta.command) for r in summaries if r.meta.pid is not None}
             print(process.finish(pids if target.launcher else {}), file=sys.stderr)
@@ -315,7 +327,7 @@ def run(
     if summaries:
         summary = merge(summaries)
     elif code > 128:
-        summary = RunSummary(notes=[_killed_early_note(code, ran_s, config.checkpoint_s)])
+        summary = RunSummary(notes=[_killed_early_note(code, ran_s)])
         summary.meta.command = " ".join(target.argv)
         summary.exit = Exit(
             reason="killed", error=f"killed by signal {code - 128} after {ran_s:.1f} s; no figures survived"

@@ -33,6 +33,7 @@ from stepscope.instrument.loss import LossBuffer
 from stepscope.instrument.own_cost import overhead, own_threads_cpu_ns, threads_cpu_between
 from stepscope.record import EVAL_PHASE, NO_STEP_MARK
 from stepscope.scope import Scope, own_scope_note, script_scopes
+from stepscope.stream import NO_STREAM
 from stepscope.summary import MAX_LOSS_STEPS, Epoch, Exit, LoaderInfo, Overhead, RunSummary
 
 HOST_PHASES = frozenset({"data_wait"})
@@ -190,6 +191,7 @@ class Tracker:
         self.stop_due = False  # the requested steps are measured: StopRun at the next step's first event
         self.outcome: Exit | None = None  # how the process ended, when known (error, signal)
         self.failure: str | None = None  # stepscope's own error that stopped measuring
+        self.stream: Any = NO_STREAM  # the process's step stream (bootstrap opens one under `stepscope run`)
         # loaders
         self._loaders: dict[int, _LoaderState] = {}
         self._iterators: weakref.WeakKeyDictionary[Any, _LoaderState] = weakref.WeakKeyDictionary()
