@@ -808,6 +808,7 @@ def test_combine_ranks_carries_the_sweep():
     assert set(out["sweep"][0]) == SWEEP_ROW
     assert out["best"] == {
         "settings": dataclasses.asdict(S(2, 2)), "samples_per_s": 300.0, "train_samples_per_s": None, "gain": 2.0,
+        "snippet": S(2, 2).snippet(),
     }  # fmt: skip
     assert out["trainer_ms_per_sample"] is None, "ranked by the loader alone"
     assert out["sweep_skipped"] == ["x: why"]

@@ -131,6 +131,11 @@ class Verdict:
     evidence: list[str] = field(default_factory=list)
 
 
+def describe_value(value: Any) -> str:
+    """A fix's value as a person writes it on the command line: on/off, a number, a precision."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 @dataclass
 class Fix:
     """One ranked fix: what to change, why, and how much it can gain at most."""

@@ -180,7 +180,7 @@ def settings_of(loader: Any) -> LoaderSettings | None:
 
 
 def _batch_samples(batch: Any) -> int | None:
-    from stepscope.instrument.tracker import batch_samples, batch_tensors
+    from stepscope.analyses.batches import batch_samples, batch_tensors
 
     return batch_samples(batch_tensors(batch)) or None
 
@@ -811,6 +811,7 @@ def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: 
             out["best"] = {
                 "settings": best["settings"], "samples_per_s": best["samples_per_s"],
                 "train_samples_per_s": best.get("train_samples_per_s"), "gain": sweep["gain"],
+                "snippet": LoaderSettings(**best["settings"]).snippet(),  # the report prints it as is
             }  # fmt: skip
         out["sweep_skipped"] = sweep["skipped"]
         out["sweep_notes"] = sweep["notes"]

@@ -24,6 +24,7 @@ from typing import Any
 from stepscope.analyses.loader import WORKER_COUNT_WARNING
 from stepscope.collectors.malloc import GLIBC_MAX_MMAP_THRESHOLD, allocator, set_thresholds, threshold_env
 from stepscope.collectors.stacks import USER, CodeKinds
+from stepscope.summary import describe_value
 
 BOOL_WORDS = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
@@ -195,11 +196,6 @@ def _value(fix: Appliable, raw: str, text: str) -> Any:
     if word not in BOOL_WORDS:
         raise ApplyError(f"--apply {text}: {fix.id} takes on or off, not {raw!r}.")
     return BOOL_WORDS[word]
-
-
-def describe(value: Any) -> str:
-    """A fix's value as a person writes it on the command line: on/off, a number, a precision."""
-    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 class Injector:
@@ -573,9 +569,13 @@ class Injector:
             on = wanted["debug.anomaly"]
             torch.set_anomaly_enabled(on)
             guard(
-                "debug.anomaly", torch, "set_anomaly_enabled", on, lambda v: f"anomaly detection turned {describe(v)}"
+                "debug.anomaly",
+                torch,
+                "set_anomaly_enabled",
+                on,
+                lambda v: f"anomaly detection turned {describe_value(v)}",
             )
-            self._where["debug.anomaly"].append(f"anomaly detection {describe(on)} from torch's import on")
+            self._where["debug.anomaly"].append(f"anomaly detection {describe_value(on)} from torch's import on")
         if "debug.deterministic" in wanted:
             on = wanted["debug.deterministic"]
             torch.use_deterministic_algorithms(on)
@@ -584,7 +584,9 @@ class Injector:
             guard(
                 "debug.deterministic", cudnn_props["deterministic"], "setter", on, lambda v: f"cudnn.deterministic={v}"
             )
-            self._where["debug.deterministic"].append(f"deterministic algorithms {describe(on)} from torch's import on")
+            self._where["debug.deterministic"].append(
+                f"deterministic algorithms {describe_value(on)} from torch's import on"
+            )
         if "host.threads" in wanted:
             threads = wanted["host.threads"]
             torch.set_num_threads(threads)

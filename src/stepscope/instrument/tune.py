@@ -31,10 +31,10 @@ from typing import Any
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, Settings, VariantResult
 from stepscope.doctor.rules import CATALOGUE
 from stepscope.instrument.ab import Variant, run_ab
-from stepscope.instrument.apply import ALIASES, ApplyError, describe, parse_fixes, worker_limit
+from stepscope.instrument.apply import ALIASES, ApplyError, parse_fixes, worker_limit
 from stepscope.instrument.launch import Target
 from stepscope.instrument.verify import apply_argument, queue_steps
-from stepscope.summary import RunSummary
+from stepscope.summary import RunSummary, describe_value
 
 BASELINE = "baseline"
 SCREEN_REPEATS = 2  # runs of each candidate and of the best so far when screening
@@ -600,7 +600,7 @@ def keep_lines(arguments: list[str]) -> list[str]:
     lines = []
     for fix in parse_fixes(arguments):
         value = fix["value"]
-        word = describe(value) if isinstance(value, bool) else str(value)
+        word = describe_value(value) if isinstance(value, bool) else str(value)
         shown = {"on": "True", "off": "False"}.get(word, word)
         lines.append(KEEP[fix["id"]].format(value=shown))
     return lines

@@ -118,8 +118,8 @@ class Session:
 
 def batch_samples(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor (0 when it holds none)."""
-    from stepscope.instrument.tracker import batch_samples as first_dim
-    from stepscope.instrument.tracker import batch_tensors
+    from stepscope.analyses.batches import batch_samples as first_dim
+    from stepscope.analyses.batches import batch_tensors
 
     return first_dim(batch_tensors(batch))
 

@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.record import TOTAL
-from stepscope.summary import Fix, RunSummary
+from stepscope.summary import Fix, RunSummary, describe_value
 
 # SIMPLE_HEAD with an ASCII rule under the header.
 _ASCII_HEAD = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
@@ -339,11 +339,9 @@ def applied_line(summary: RunSummary) -> str | None:
     """``--apply``: each requested fix, where it applied or why not, in one line (None when none was asked for)."""
     if not summary.applied:
         return None
-    from stepscope.instrument.apply import describe
-
     parts = []
     for fix in summary.applied:
-        name = f"{fix['id']}={describe(fix.get('value'))}"
+        name = f"{fix['id']}={describe_value(fix.get('value'))}"
         if fix.get("applied"):
             extra = [fix["where"]] + ([f"not at {fix['why']}"] if fix.get("why") else [])
             extra += [f"ignored the script's {what}" for what in fix.get("ignored", [])]
@@ -674,13 +672,11 @@ def print_loader(result: dict, summary: RunSummary, file: IO[str] | None = None)
     console.print(table)
     best = result.get("best")
     if best:
-        from stepscope.analyses.loader import LoaderSettings
-
         rate = "training samples/s" if trainer_ms is not None else "samples/s"
         gain = "" if best["gain"] is None else f" ({100 * best['gain']:+.0f}% {rate} over the current setting)"
         if trainer_ms is not None:
             gain += " — the fewest workers within 2% of the fastest: past them the step sets the pace"
-        say(f"best: {LoaderSettings(**best['settings']).snippet()}{gain}")
+        say(f"best: {best.get('snippet') or best['settings']}{gain}")
     for skipped in result.get("sweep_skipped", []):
         say(f"not tried: {skipped}")
     for note in result.get("sweep_notes", []):
