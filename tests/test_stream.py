@@ -159,6 +159,12 @@ def test_a_process_that_stops_closing_steps_is_seen_stalled_from_outside(tmp_pat
     assert (stall.rank, stall.pid, stall.steps) == (1, 4242, 30)
     assert stall.describe().startswith("rank 1 (pid 4242) has closed no step for 0.3 s after step 30")
     assert stall_notes(follow)[0].startswith("hung: rank 1 (pid 4242) has closed no step")
+    # Once a checkpoint found the training thread waiting (after --checkpoint-s without a step), the stall says where.
+    checkpoint = RunSummary(exit=Exit(reason="running", hung={"where": "train.py:42", "calls": "dist.all_reduce"}))
+    checkpoint.meta.hostname, checkpoint.meta.pid = "node7", 4242
+    checkpoint.to_json(tmp_path / "rank00001-node7-pid4242.json")
+    follow.poll()
+    assert follow.stalled()[0].describe().endswith(", waiting in dist.all_reduce at train.py:42")
     stream.step(StepRecord(30, 1000, {"other": 1000}), measured=True)
     follow.poll()
     assert follow.stalled() == []

@@ -4,15 +4,20 @@ SIGKILL, a segfault, an abort) keeps every step it completed, alone or as one ra
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import socket
 import subprocess
+import time
 
 import psutil
 import pytest
 from run_helpers import cli_here, run_env, script, stepscope_cmd, stepscope_here, stepscope_run, torchrun
 
 from stepscope.invariants import broken
+from stepscope.record import StepRecord
+from stepscope.stream import StepStream, stream_name
 from stepscope.summary import RunSummary
 
 DIES_AT = 40
@@ -128,3 +133,23 @@ def test_watch_refuses_a_folder_that_is_not_there(tmp_path):
     assert code == 2, err
     assert f"cannot watch {missing}: no such folder." in err
     assert not missing.exists()
+
+
+def test_ctrl_c_ends_the_watch_not_the_job_and_prints_the_figures_so_far(tmp_path):
+    # A job whose process is alive (this test's own) and wrote 30 steps: the watch waits for it until its SIGINT.
+    stream = StepStream(tmp_path / stream_name(socket.gethostname(), os.getpid()), {
+        "pid": os.getpid(), "hostname": socket.gethostname(), "rank": 0, "launch_id": "L", "warmup": 2, "steps": 100,
+    })  # fmt: skip
+    for index in range(30):
+        stream.step(StepRecord(index, 4_000_000, {"forward": 1_000_000, "other": 3_000_000}, 8), measured=index >= 2)
+    cmd = [*stepscope_cmd(None, warmup=None, steps=None, verb="watch"), str(tmp_path), "--progress", "plain"]
+    watch = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # a few polls
+    assert watch.poll() is None, watch.communicate()  # the job has not ended: the watch goes on
+    watch.send_signal(signal.SIGINT)
+    stdout, stderr = watch.communicate(timeout=30)
+    assert watch.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "throughput: 250.00 steps/s, 2000.0 samples/s over 28 measured steps (warm-up 2)" in stdout, stdout
+    assert "stopped by Ctrl-C; the job runs on, and these are its figures so far" in stdout, stdout
+    stream.step(StepRecord(30, 4_000_000, {"other": 4_000_000}), measured=True)  # the job was not touched

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from stepscope.instrument import HANG_AFTER, MIN_HANG_S
 from stepscope.invariants import check
 from stepscope.stream import Followed, StreamError, StreamReader, find_streams
-from stepscope.summary import Exit, RunSummary
+from stepscope.summary import Exit, RunSummary, SummaryError
 
 POLL_S = 0.5
 
@@ -57,14 +57,17 @@ class Stall:
     steps: int  # steps it closed (warm-up included)
     quiet_s: float  # since its last step (s)
     median_step_ms: float
+    waits: str | None = None  # where it waits, from its last checkpoint (``exit.hung``), once one found it there
 
     def describe(self) -> str:
-        """E.g. "rank 1 (pid 4242) has closed no step for 41.0 s after step 412 (its median step: 10.3 ms)"."""
+        """E.g. "rank 1 (pid 4242) has closed no step for 41.0 s after step 412 (its median step: 10.3 ms), waiting
+        in torch.distributed.distributed_c10d.all_reduce at train.py:42"."""
         who = f"rank {self.rank}" if self.rank is not None else "the process"
         pid = f" (pid {self.pid})" if self.pid is not None else ""
+        waits = f", waiting {self.waits}" if self.waits else ""
         return (
             f"{who}{pid} has closed no step for {self.quiet_s:.1f} s after step {self.steps} "
-            f"(its median step: {self.median_step_ms:.1f} ms)"
+            f"(its median step: {self.median_step_ms:.1f} ms){waits}"
         )
 
 
@@ -131,17 +134,36 @@ class Follow:
     def _note_stall(self, followed: Followed) -> None:
         if followed.reader.closed or not followed.recorder.measured:
             return
-        median_s = followed.recorder.step_stats.quantile(0.5) if followed.recorder.step_stats.count else None
-        if median_s is None:
-            followed.recorder.fold()
-            median_s = followed.recorder.step_stats.quantile(0.5)
+        followed.recorder.fold()
+        median_s = followed.recorder.step_stats.quantile(0.5)
         quiet_s = (time.monotonic_ns() - followed.seen_new_ns) / 1e9
         if quiet_s < max(self.min_hang_s, self.hang_after * median_s):
             return
         meta = followed.meta
-        self.stalls[meta.get("pid")] = Stall(
-            meta.get("rank"), meta.get("pid"), meta.get("hostname", ""), followed.steps, quiet_s, median_s * 1e3
+        pid = meta.get("pid")
+        self.stalls[pid] = Stall(
+            meta.get("rank"),
+            pid,
+            meta.get("hostname", ""),
+            followed.steps,
+            quiet_s,
+            median_s * 1e3,
+            waits=self._waits(meta.get("hostname", ""), pid),
         )
+
+    def _waits(self, hostname: str, pid: int | None) -> str | None:
+        """Where a stalled process waits, as its last checkpoint found it (after ``--checkpoint-s`` without a step),
+        e.g. "in torch.distributed.distributed_c10d.all_reduce at train.py:42"; None before a checkpoint saw it."""
+        for path in self.folder.glob(f"rank*-pid{pid}.json"):
+            try:
+                summary = RunSummary.from_json(path)
+            except SummaryError:
+                continue  # being replaced: the next poll reads it
+            hung = summary.exit.hung if summary.exit is not None and summary.meta.hostname == hostname else None
+            if hung and hung.get("where"):
+                calls = f"in {hung['calls']} " if hung.get("calls") else ""
+                return f"{calls}at {hung['where']}"
+        return None
 
     def stalled(self) -> list[Stall]:
         """The processes stalled now: no step since the stall was noted."""
