@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from stepscope.instrument.collect import check_one_job, gather
 from stepscope.instrument.follow import Follow, complete, from_stream, stall_notes
 from stepscope.invariants import broken
 from stepscope.record import EvalPasses, Recorder, StepRecord, summarize
@@ -216,3 +217,26 @@ def test_a_process_without_a_summary_gets_one_from_its_stream_over_its_checkpoin
     assert from_stream(followed, None, code=1, launcher=True).exit.error == (
         "rank 1 ended without writing its summary (the command exited with code 1) after step 30"
     )
+
+
+def test_a_merge_of_a_run_folder_adds_the_ranks_that_left_only_a_stream(tmp_path: Path) -> None:
+    job = {"job_id": "slurm:7", "world_size": 2, "hostname": "node7", "warmup": 2}
+    finished = StepStream(tmp_path / stream_name("node7", 1), {**job, "rank": 0, "pid": 1, "launch_id": "a"})
+    killed = StepStream(tmp_path / stream_name("node8", 2), {**job, "rank": 1, "pid": 2, "launch_id": "b"})
+    other_job = StepStream(tmp_path / stream_name("node9", 3), {**job, "job_id": "slurm:8", "rank": 1, "pid": 3})
+    for record in _steps(20):
+        for stream in (finished, killed, other_job):
+            stream.step(record, measured=record.index >= 2)
+    finished.close()
+    rank0 = RunSummary(exit=Exit(reason="finished"))
+    rank0.meta.rank, rank0.meta.world_size, rank0.meta.job_id = 0, 2, "slurm:7"
+    rank0.meta.hostname, rank0.meta.pid, rank0.meta.launch_id = "node7", 1, "a"
+    rank0.steps.measured = 18
+    rank0.to_json(tmp_path / "rank00000-node7-pid1.json")
+
+    found = gather([tmp_path])
+    assert [(r.meta.rank, r.meta.pid) for r in found.ranks] == [(0, 1), (1, 2)]  # not the other job's rank 1
+    assert check_one_job(found) == 2
+    rebuilt = found.ranks[1]
+    assert rebuilt.exit.reason == "running" and rebuilt.steps.measured == 18  # it may still run: not called dead
+    assert rebuilt.notes[-1].startswith("from the step stream: the process wrote no final summary")

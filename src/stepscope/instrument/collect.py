@@ -80,6 +80,7 @@ def gather(inputs: Iterable[str | Path]) -> Gathered:
     """Read the summaries in ``inputs`` (files, and folders of them) as rank summaries. A file that is not a
     stepscope summary, is broken, or names a rank outside ``[0, world_size)`` is a note and is skipped; raises
     MergeError (with those notes) when a named path does not exist or nothing could be read."""
+    inputs = list(inputs)
     found = Gathered()
     chosen: dict[tuple[str | None, int, str, int | None], RunSummary] = {}
     files = _files(inputs)
@@ -102,6 +103,9 @@ def gather(inputs: Iterable[str | Path]) -> Gathered:
             if kept is None or (_final(rank), rank.steps.measured) > (_final(kept), kept.steps.measured):
                 chosen[key] = rank
                 found.sources[id(rank)] = str(path)
+    folders = [Path(p) for p in inputs if Path(p).is_dir()]
+    if folders:
+        chosen = {_key(rank): rank for rank in with_streams(folders, list(chosen.values()))}
     if not chosen:
         raise MergeError(
             f"no stepscope summary could be read from {', '.join(map(str, inputs))}"
@@ -111,6 +115,20 @@ def gather(inputs: Iterable[str | Path]) -> Gathered:
         )
     found.ranks = sorted(chosen.values(), key=_rank)
     return found
+
+
+def with_streams(folders: list[Path], ranks: list[RunSummary]) -> list[RunSummary]:
+    """``ranks`` with each process of their job that left a step stream in ``folders`` but no final summary (killed,
+    ``os._exit``, or still running) given one from its stream (see follow.py). With no summary at all, the newest
+    job's streams."""
+    from stepscope.instrument.follow import Follow, complete, job_key
+
+    jobs = {job_key({"job_id": r.meta.job_id, "launch_id": r.meta.launch_id}) for r in ranks} or None
+    for folder in folders:
+        follow = Follow(folder, jobs=jobs)
+        follow.poll()
+        ranks = complete(ranks, follow, code=None, launcher=False, ended=False)
+    return ranks
 
 
 def check_one_job(found: Gathered) -> int | None:

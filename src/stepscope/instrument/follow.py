@@ -76,7 +76,8 @@ class Follow:
 
     Args:
         folder: the run folder the processes write into.
-        launch_id: only streams of this launch (a shared ``--out`` folder holds other runs' too); None: all.
+        launch_id: only streams of this launch (a shared ``--out`` folder holds other runs' too); None: those of
+            ``jobs``, or of the newest stream's job.
         progress: shown after each poll.
         hang_after: a process is stalled after this many of its median steps without one ...
         min_hang_s: ... and at least this many seconds.
@@ -89,9 +90,11 @@ class Follow:
         progress: Progress = NO_PROGRESS,
         hang_after: float = HANG_AFTER,
         min_hang_s: float = MIN_HANG_S,
+        jobs: set[str | None] | None = None,
     ) -> None:
         self.folder = folder
         self.min_hang_s = min_hang_s
+        self.jobs = jobs  # with no launch id: the streams of these jobs (``job_key``); None: the newest stream's
         self.launch_id = launch_id
         self.job: str | None = None  # without a launch id: the job of the newest stream, once one is found
         self.progress = progress
@@ -127,6 +130,8 @@ class Follow:
         if self.launch_id is not None:
             return meta.get("launch_id") == self.launch_id
         job = job_key(meta)
+        if self.jobs is not None:
+            return job in self.jobs
         if self.job is None:
             self.job = job
         return job == self.job
@@ -218,9 +223,12 @@ def _modified(path: Path) -> float:
         return 0.0
 
 
-def _ending(code: int | None, launcher: bool, rank: int | None) -> tuple[str, str]:
+def _ending(code: int | None, launcher: bool, rank: int | None, ended: bool) -> tuple[str, str]:
     """(exit reason, what happened) of a process that wrote no final summary, from the command's exit code (None:
-    not known, to a watch); a killed one's reads on from "the process was"."""
+    not known, to a watch or a merge; ``ended``: the process is known to have ended); a killed one's reads on from
+    "the process was"."""
+    if code is None and not ended:  # a merge of a folder: its job may still run (as a checkpoint's "running")
+        return "running", "the process wrote no final summary (it may still be running, or it died without its exit)"
     if code is None:
         return "error", "the process ended without writing its summary (killed, or it left with os._exit)"
     if launcher:
@@ -235,9 +243,11 @@ def _ending(code: int | None, launcher: bool, rank: int | None) -> tuple[str, st
     return "error", f"the process left with code {code} without writing its summary (os._exit, or a native crash)"
 
 
-def complete(summaries: list[RunSummary], follow: Follow, code: int | None, launcher: bool) -> list[RunSummary]:
+def complete(
+    summaries: list[RunSummary], follow: Follow, code: int | None, launcher: bool, ended: bool = True
+) -> list[RunSummary]:
     """``summaries`` with every followed process that wrote no final summary (none, or only a checkpoint) given one
-    from its stream, up to its last completed step."""
+    from its stream, up to its last completed step (see ``_ending`` for ``code`` and ``ended``)."""
     by_process = {(s.meta.hostname, s.meta.pid): s for s in summaries}
     completed = list(summaries)
     for followed in list(follow.streams.values()):
@@ -246,7 +256,7 @@ def complete(summaries: list[RunSummary], follow: Follow, code: int | None, laun
         final = had is not None and not (had.exit is not None and had.exit.reason == "running")
         if final or not followed.steps:
             continue
-        rebuilt = from_stream(followed, had, code, launcher)
+        rebuilt = from_stream(followed, had, code, launcher, ended)
         if had is not None:
             completed[completed.index(had)] = rebuilt
         else:
@@ -254,7 +264,9 @@ def complete(summaries: list[RunSummary], follow: Follow, code: int | None, laun
     return completed
 
 
-def from_stream(followed: Followed, checkpoint: RunSummary | None, code: int | None, launcher: bool) -> RunSummary:
+def from_stream(
+    followed: Followed, checkpoint: RunSummary | None, code: int | None, launcher: bool, ended: bool = True
+) -> RunSummary:
     """The summary of a process that died before writing its own: the step figures from its stream; with a
     checkpoint, its other figures (system, loaders, where it waited) from there."""
     streamed = followed.summary()
@@ -274,7 +286,7 @@ def from_stream(followed: Followed, checkpoint: RunSummary | None, code: int | N
             eval=streamed.eval or checkpoint.eval,
             notes=[*checkpoint.notes, *streamed.notes],
         )
-    reason, how = _ending(code, launcher, followed.meta.get("rank"))
+    reason, how = _ending(code, launcher, followed.meta.get("rank"), ended)
     last = f"{how} after step {followed.steps}"
     hung = checkpoint.exit.hung if checkpoint is not None else None
     # When it was last seen alive: it failed after that, and before a step would have closed (a merged run orders
