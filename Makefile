@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Users bring their own torch; this pins the CPU build used for development and CI.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo doctor-demo test lint bench docs clean chromium
+.PHONY: demo doctor-demo test lint bench docs clean system-packages
 
 # The demos need the package alone; the tests need every extra (the trackers, Lightning, transformers, Ray, ...).
 # Bytecode is written as modules are first imported, not by pip: of the 22,700 files installed, the suite imports a
@@ -35,19 +35,23 @@ doctor-demo: $(VENV)/.base
 # they share starts once: most of the suite's time is training processes' start-up (torch and torch._dynamo, ~2.5 s
 # of CPU each), which is why tests of figures run their script inside the test process (tests/run_helpers.py,
 # cli_here). The other tests spread freely (whole files per worker left one worker alone on the slowest file).
-test: $(VENV)/.installed lint chromium
+test: $(VENV)/.installed lint system-packages
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=15
 	$(PY) -m pytest -q -m serial --durations=5
 
-# The HTML report's render test loads the page in headless Chromium. Install Debian's when it is missing and
-# apt-get can (CI runs as root on a fresh machine); where it cannot, the set-up goes on and that test skips.
-chromium:
-	@if ! command -v chromium >/dev/null 2>&1; then \
+# The HTML report's render test loads the page in headless Chromium, and the allocator test preloads jemalloc. Install
+# Debian's packages of what is missing where apt-get can (CI runs as root on a fresh machine); where it cannot, the
+# set-up goes on and those tests skip.
+system-packages:
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	ldconfig -p 2>/dev/null | grep -q libjemalloc || missing="$$missing libjemalloc2"; \
+	if [ -n "$$missing" ]; then \
 	  if command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-	      || echo "chromium could not be installed: the HTML render test will skip"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "could not install$$missing: the tests that need them will skip"; \
 	  else \
-	    echo "no chromium and no apt-get: the HTML render test will skip"; \
+	    echo "no apt-get to install$$missing: the tests that need them will skip"; \
 	  fi; \
 	fi
 

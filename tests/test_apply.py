@@ -85,6 +85,8 @@ def test_parse_fixes_defaults_aliases_and_values() -> None:
     ]
     assert parse_fixes(["torch.tf32"]) == [{"id": "tf32", "value": "high"}]
     assert parse_fixes(["tf32=off"]) == [{"id": "tf32", "value": "highest"}]
+    assert parse_fixes(["malloc.allocator"]) == [{"id": "malloc.allocator", "value": "jemalloc"}]
+    assert parse_fixes(["malloc.allocator=TCMalloc"]) == [{"id": "malloc.allocator", "value": "tcmalloc"}]
 
 
 @pytest.mark.parametrize(
@@ -104,6 +106,8 @@ def test_parse_fixes_defaults_aliases_and_values() -> None:
         (["tf32=fast"], "takes highest, high, medium"),
         (["optimizer.foreach", "optimizer.foreach=off"], "more than once"),
         (["optimizer.fused", "optimizer.foreach"], "exclude each other"),
+        (["malloc.allocator=mimalloc"], "malloc.allocator takes jemalloc or tcmalloc, not 'mimalloc'"),
+        (["malloc.allocator", "malloc.mmap_threshold"], "exclude each other (glibc's thresholds do nothing"),
     ],
 )
 def test_parse_fixes_refuses_with_the_reason(words: list[str], said: str) -> None:

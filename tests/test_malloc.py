@@ -8,9 +8,9 @@ moved only by what ran before, it faults in hundreds of pages a step, and with t
 from __future__ import annotations
 
 import pytest
-from run_helpers import script, stepscope_run
+from run_helpers import cli_here, script, stepscope_cmd, stepscope_run
 
-from stepscope.collectors.malloc import allocator, us_per_fault
+from stepscope.collectors.malloc import allocator, pooling_library, us_per_fault
 from stepscope.doctor.rules import Case, diagnose
 from stepscope.summary import PhaseStats, RunSummary, Throughput
 
@@ -85,3 +85,32 @@ def test_doctor_finds_the_churn_and_the_applied_thresholds_end_it(tmp_path):
     own_after = float(next(x for x in applied.stdout.splitlines() if x.startswith("faults_per_step")).split()[1])
     assert own_after < 0.1 * own, (own_after, own)
     assert "host.malloc_churn" not in [f.id for f in summary.fixes]
+
+
+@pytest.mark.skipif(
+    pooling_library("jemalloc") is None,
+    reason="needs jemalloc installed (apt-get install libjemalloc2; make test does)",
+)
+def test_the_preloaded_pooling_allocator_ends_the_churn(tmp_path):
+    # The same churning script under `--apply malloc.allocator=jemalloc`: every process of the command starts on
+    # jemalloc, which keeps freed blocks, so the training thread's page faults a step fall to a few.
+    churn = (script("malloc_churn.py"), "--iters", "120")
+    r = stepscope_run(tmp_path, "--apply", "malloc.allocator=jemalloc", *churn, warmup=5, steps=200)
+    assert r.returncode == 0, r.describe()
+    (entry,) = r.summary.applied
+    assert entry["applied"] and entry["where"] == "the process runs on jemalloc (LD_PRELOAD)", entry
+    malloc = r.summary.facts["malloc"]
+    assert malloc["allocator"] == "jemalloc", malloc
+    own = float(next(line for line in r.stdout.splitlines() if line.startswith("faults_per_step")).split()[1])
+    assert own < 50 and malloc["faults_per_step"] < 50, (own, malloc)  # glibc's churn here: 380-910 a step
+    assert "host.malloc_churn" not in [f.id for f in r.summary.fixes]
+
+
+def test_a_pooling_allocator_that_is_not_installed_is_one_sentence(tmp_path, monkeypatch):
+    import stepscope.collectors.malloc as malloc
+
+    monkeypatch.setattr(malloc.ctypes.util, "find_library", lambda name: None)
+    code, _, err = cli_here(tmp_path, stepscope_cmd(None, "--apply", "malloc.allocator=tcmalloc", script("basic.py")))
+    assert code == 2, err
+    assert "--apply malloc.allocator=tcmalloc: tcmalloc is not installed on this machine (apt-get install " in err
+    assert "Traceback" not in err

@@ -12,6 +12,7 @@ five identical runs). Fixed thresholds, or a pooling allocator (jemalloc, TCMall
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import mmap
 import os
 import platform
@@ -22,6 +23,9 @@ GLIBC_MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc refuses a larger mmap thres
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 TUNING_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
 POOLING = ("jemalloc", "tcmalloc", "mimalloc")
+# The pooling allocators `--apply malloc.allocator` can preload, by the names their libraries go by
+PRELOADABLE = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc")}
+INSTALL_HINT = {"jemalloc": "apt-get install libjemalloc2", "tcmalloc": "apt-get install libtcmalloc-minimal4"}
 CHURN_BLOCK = 256 * 1024  # the calibration's block: an activation of a small model
 CHURN_ROUNDS = 16  # 1,024 faults of 4 KB pages: ~5 ms here, once, when the run ends
 
@@ -50,6 +54,16 @@ def allocator() -> str:
         if f"lib{name}" in maps:
             return name
     return "glibc" if platform.libc_ver()[0] == "glibc" else "other"
+
+
+def pooling_library(name: str) -> str | None:
+    """The shared library of pooling allocator ``name`` (jemalloc, tcmalloc) as the dynamic linker finds it, e.g.
+    ``libjemalloc.so.2`` (what LD_PRELOAD takes); None when it is not installed."""
+    for library in PRELOADABLE.get(name, ()):
+        found = ctypes.util.find_library(library)
+        if found:
+            return found
+    return None
 
 
 def tuned_in_env() -> list[str]:

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from stepscope.analyses.loader import WORKER_COUNT_WARNING
-from stepscope.collectors.malloc import GLIBC_MAX_MMAP_THRESHOLD, allocator, set_thresholds, threshold_env
+from stepscope.collectors.malloc import (
+    GLIBC_MAX_MMAP_THRESHOLD,
+    PRELOADABLE,
+    allocator,
+    set_thresholds,
+    threshold_env,
+)
 from stepscope.collectors.stacks import USER, CodeKinds
 from stepscope.summary import describe_value
 
@@ -36,11 +42,12 @@ class Appliable:
     direction; None when a value is required), and what it changes, where."""
 
     id: str
-    kind: str  # "bool", "count" (an int >= minimum) or "precision" (highest/high/medium, or on/off)
+    kind: str  # "bool", "count" (an int >= minimum), "precision" (highest/high/medium, or on/off) or "choice"
     default: Any
     injects: str
     minimum: int = 0
     maximum: int | None = None  # a fixed bound for a count; loader.num_workers's depends on the machine
+    choices: tuple[str, ...] = ()  # a choice's values
 
 
 FIXES = (
@@ -71,6 +78,13 @@ FIXES = (
         "glibc's mmap threshold at N bytes and its trim threshold at 2N (environment, and mallopt at import)",
         minimum=128 * 1024,
         maximum=GLIBC_MAX_MMAP_THRESHOLD,
+    ),
+    Appliable(
+        "malloc.allocator",
+        "choice",
+        "jemalloc",
+        "LD_PRELOAD of the pooling allocator (installed on the machine) for every process of the command",
+        choices=tuple(PRELOADABLE),
     ),
 )
 APPLIABLE: dict[str, Appliable] = {fix.id: fix for fix in FIXES}
@@ -130,6 +144,11 @@ def parse_fixes(texts: list[str]) -> list[dict[str, Any]]:
     chosen = {f["id"]: f["value"] for f in fixes}
     if chosen.get("optimizer.fused") and chosen.get("optimizer.foreach"):
         raise ApplyError("--apply optimizer.fused and optimizer.foreach exclude each other: pick one.")
+    if "malloc.allocator" in chosen and "malloc.mmap_threshold" in chosen:
+        raise ApplyError(
+            "--apply malloc.allocator and malloc.mmap_threshold exclude each other (glibc's thresholds do nothing to "
+            "another allocator): pick one."
+        )
     return fixes
 
 
@@ -193,6 +212,10 @@ def _value(fix: Appliable, raw: str, text: str) -> Any:
         if word in BOOL_WORDS:
             return "high" if BOOL_WORDS[word] else "highest"
         raise ApplyError(f"--apply {text}: {fix.id} takes {', '.join(PRECISIONS)} (or on/off), not {raw!r}.")
+    if fix.kind == "choice":
+        if word not in fix.choices:
+            raise ApplyError(f"--apply {text}: {fix.id} takes {' or '.join(fix.choices)}, not {raw!r}.")
+        return word
     if word not in BOOL_WORDS:
         raise ApplyError(f"--apply {text}: {fix.id} takes on or off, not {raw!r}.")
     return BOOL_WORDS[word]
@@ -222,6 +245,7 @@ class Injector:
             (("precision.bf16",), self._install_autocast),
             (("tf32", "cudnn.benchmark", "debug.anomaly", "debug.deterministic", "host.threads"), self._install_flags),
             (("malloc.mmap_threshold",), self._install_malloc),
+            (("malloc.allocator",), self._check_allocator),
         ):
             wanted = {i: self.fixes[i] for i in ids if i in self.fixes}
             if not wanted:
@@ -609,6 +633,18 @@ class Injector:
         self._where["malloc.mmap_threshold"].append(
             f"glibc's mmap threshold {threshold:,} bytes and trim threshold {2 * threshold:,} from {since}"
         )
+
+    def _check_allocator(self, patch: Callable[..., None], wanted: dict[str, Any]) -> None:
+        """The allocator was preloaded before the interpreter started (launch.py's LD_PRELOAD): say whether this
+        process runs on it."""
+        name, running = wanted["malloc.allocator"], allocator()
+        if running == name:
+            self._where["malloc.allocator"].append(f"the process runs on {name} (LD_PRELOAD)")
+        else:
+            self._why["malloc.allocator"].append(
+                f"the process runs on {running}: the LD_PRELOAD of {name} did not take (a launcher that clears the "
+                "environment, or a setuid program)"
+            )
 
     def mmap_threshold(self) -> list[int]:
         """The mmap threshold ``--apply malloc.mmap_threshold`` set in this process ([] when none)."""

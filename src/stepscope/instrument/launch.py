@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from stepscope.collectors.malloc import TUNING_ENV, threshold_env
+from stepscope.collectors.malloc import INSTALL_HINT, TUNING_ENV, pooling_library, threshold_env
 from stepscope.doctor.verdict import classify
 from stepscope.instrument import LaunchError
 from stepscope.instrument.bootstrap import ENV_CONFIG
@@ -80,6 +80,14 @@ def _child_env(config: RunConfig, extra: dict[str, str] | None = None) -> dict[s
     for fix in config.apply:
         if fix["id"] == "malloc.mmap_threshold" and not any(name in env for name in TUNING_ENV):
             env.update(threshold_env(fix["value"]))  # the user's own malloc settings win; mallopt still runs
+        if fix["id"] == "malloc.allocator":
+            library = pooling_library(fix["value"])
+            if library is None:
+                raise LaunchError(
+                    f"--apply malloc.allocator={fix['value']}: {fix['value']} is not installed on this machine "
+                    f"({INSTALL_HINT[fix['value']]}, or your distribution's package of it)."
+                )
+            env["LD_PRELOAD"] = os.pathsep.join([library, *filter(None, [env.get("LD_PRELOAD")])])
     return env
 
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, Settings, VariantResult
+from stepscope.collectors.malloc import PRELOADABLE, pooling_library
 from stepscope.doctor.rules import CATALOGUE
 from stepscope.instrument.ab import Variant, run_ab
 from stepscope.instrument.apply import ALIASES, ApplyError, parse_fixes, worker_limit
@@ -57,6 +58,7 @@ KEEP = {
     "host.threads": "torch.set_num_threads({value}) before training (or OMP_NUM_THREADS={value} in the environment)",
     "malloc.mmap_threshold": "MALLOC_MMAP_THRESHOLD_={value} and MALLOC_TRIM_THRESHOLD_ at twice it in the "
     "environment (or LD_PRELOAD jemalloc or TCMalloc)",
+    "malloc.allocator": "LD_PRELOAD of {value} in the environment (e.g. LD_PRELOAD=libjemalloc.so.2 for jemalloc)",
     "optimizer.foreach": "torch.optim.<Optimizer>(..., foreach={value})",
     "optimizer.fused": "torch.optim.<Optimizer>(..., fused={value})",
     "zero_grad.set_to_none": "optimizer.zero_grad(set_to_none={value})",
@@ -218,6 +220,8 @@ def candidates(summary: RunSummary, best: list[str], allow_numerics: bool) -> li
         found += [f"host.threads={n}" for n in sorted({1, max(1, cores // 2), cores}) if n != threads]
     if _share(summary, "optimizer") >= MIN_SHARE:
         found += ["optimizer.foreach", "optimizer.fused"]
+    if any(fix.id == "host.malloc_churn" for fix in summary.fixes):  # a pooling allocator, beside glibc's thresholds
+        found += [f"malloc.allocator={name}" for name in PRELOADABLE if pooling_library(name)]
     if not on_cpu:
         found.append("cudnn.benchmark")
         if allow_numerics:
