@@ -224,6 +224,7 @@ class StepRecord:
     phases_ns: dict[str, int]
     samples: int | None = None
     device_s: dict[str, float] | None = None
+    end_ns: int = 0  # when it closed, on the scope's clock (CLOCK_MONOTONIC ns with the default clock); 0: not known
 
 
 @dataclass

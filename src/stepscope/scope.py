@@ -705,7 +705,7 @@ class Scope:
             return
         phases_ns = self._current
         phases_ns[OTHER_PHASE] = max(t1 - t0 - self._claimed_ns, 0)
-        record = StepRecord(self._recorder.steps_seen, t1 - t0, phases_ns, batch_size)
+        record = StepRecord(self._recorder.steps_seen, t1 - t0, phases_ns, batch_size, end_ns=t1)
         self._current = {}
         self._claimed_ns = 0
         recorder = self._recorder

@@ -118,7 +118,9 @@ class StepStream:
         self._layouts[names] = len(layouts) - 1
         return len(layouts) - 1
 
-    def _append(self, kind: int, index: int, wall_ns: int, samples: int | None, phases_ns: dict[str, int]) -> None:
+    def _append(
+        self, kind: int, index: int, wall_ns: int, samples: int | None, phases_ns: dict[str, int], end_ns: int = 0
+    ) -> None:
         names = tuple(phases_ns)
         layout = self._layouts.get(names)
         if layout is None:
@@ -126,7 +128,7 @@ class StepStream:
         values = list(phases_ns.values()) if layout else _fixed(phases_ns)
         samples = -1 if samples is None else samples
         _BY_LENGTH[len(values)].pack_into(
-            self._map, self._at, kind, index, monotonic_ns(), wall_ns, samples, layout, *values
+            self._map, self._at, kind, index, end_ns or monotonic_ns(), wall_ns, samples, layout, *values
         )
         self._advance()
 
@@ -141,7 +143,8 @@ class StepStream:
         phases_ns = record.phases_ns
         layout = self._layouts.get(tuple(phases_ns))
         if not layout:
-            self._append(MEASURED if measured else WARMUP, record.index, record.step_ns, record.samples, phases_ns)
+            kind = MEASURED if measured else WARMUP
+            self._append(kind, record.index, record.step_ns, record.samples, phases_ns, record.end_ns)
             return
         samples = record.samples
         _BY_LENGTH[len(phases_ns)].pack_into(
@@ -149,7 +152,7 @@ class StepStream:
             self._at,
             MEASURED if measured else WARMUP,
             record.index,
-            monotonic_ns(),
+            record.end_ns or monotonic_ns(),  # the scope's clock is CLOCK_MONOTONIC: no second reading
             record.step_ns,
             -1 if samples is None else samples,
             layout,
