@@ -704,21 +704,8 @@ def _int_at_least(minimum: int) -> Any:
     return parse
 
 
-def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_why: str) -> None:
-    """The options of the verbs that measure a run (run, doctor); ``sample_hz_why`` says why the verb's default
-    sampling rate is what it is."""
-    verb.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
-    verb.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop (default 200)")
-    verb.add_argument("--json", metavar="PATH", help="write the RunSummary here")
-    verb.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
-    verb.add_argument("--batch-size", type=_int_at_least(1), help="samples per step when the script has no DataLoader")
-    verb.add_argument(
-        "--checkpoint-s",
-        type=_checkpoint_seconds,
-        default=30.0,
-        help=f"each process writes its figures so far this often (s, at least {MIN_CHECKPOINT_S:g}; default 30), so "
-        "a killed process still leaves them",
-    )
+def _follow_options(verb: argparse.ArgumentParser) -> None:
+    """The options of following a run's steps while it runs (run, doctor, watch)."""
     verb.add_argument(
         "--progress",
         choices=PROGRESS_MODES,
@@ -734,6 +721,24 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
         help=f"a process that closes no step for N times its median step (and at least {MIN_HANG_S:g} s) is reported "
         f"as stalled (default {HANG_AFTER:g})",
     )
+
+
+def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_why: str) -> None:
+    """The options of the verbs that measure a run (run, doctor); ``sample_hz_why`` says why the verb's default
+    sampling rate is what it is."""
+    verb.add_argument("--warmup", type=_int_at_least(0), default=20, help="steps to skip before measuring (default 20)")
+    verb.add_argument("--steps", type=_int_at_least(1), default=200, help="steps to measure, then stop (default 200)")
+    verb.add_argument("--json", metavar="PATH", help="write the RunSummary here")
+    verb.add_argument("--html", metavar="PATH", help="write a self-contained HTML report here")
+    verb.add_argument("--batch-size", type=_int_at_least(1), help="samples per step when the script has no DataLoader")
+    verb.add_argument(
+        "--checkpoint-s",
+        type=_checkpoint_seconds,
+        default=30.0,
+        help=f"each process writes its figures so far this often (s, at least {MIN_CHECKPOINT_S:g}; default 30), so "
+        "a killed process still leaves them",
+    )
+    _follow_options(verb)
     verb.add_argument(
         "--sink",
         action="append",
@@ -1065,17 +1070,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the job; Ctrl-C ends the watch, never the job. Exit code: 0 when the job ended, 130 on Ctrl-C.",
     )
     watch.add_argument("folder", metavar="DIR", help="the job's run folder (its --out)")
-    watch.add_argument(
-        "--progress", choices=PROGRESS_MODES, default="auto", help="live (a terminal's default), plain or none"
-    )
-    watch.add_argument(
-        "--hang-after",
-        type=_finite(1.0),
-        default=HANG_AFTER,
-        metavar="N",
-        help=f"a process with no step for N times its median step (at least {MIN_HANG_S:g} s) is stalled "
-        f"(default {HANG_AFTER:g})",
-    )
+    _follow_options(watch)
     watch.add_argument("--json", metavar="PATH", help="write the job's summary here")
     watch.set_defaults(func=_watch)
 
