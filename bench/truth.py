@@ -98,7 +98,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,9 +254,16 @@ def _read_own(spec: CaseSpec, truth_prefix: Path, summary: dict[str, Any]) -> li
     return own
 
 
-def run_case(spec: CaseSpec, folder: Path, timeout: float = CASE_TIMEOUT_S, rescore: bool = False) -> CaseResult:
+Runner = Callable[[list[str], Path, Path, float], tuple[int | None, str]]
+
+
+def run_case(
+    spec: CaseSpec, folder: Path, timeout: float = CASE_TIMEOUT_S, rescore: bool = False, runner: Runner | None = None
+) -> CaseResult:
     """Writes the case's script into ``folder``, runs the doctor on it (beside its busy loops) and scores it
-    (``rescore``: scores what an earlier run left in ``folder``, without running)."""
+    (``rescore``: scores what an earlier run left in ``folder``, without running). ``runner(command, folder, output
+    file, timeout)`` runs the doctor and returns (exit code, why it was cut short); by default a process of its own
+    (the suite runs single-rank CI cases inside the test process instead)."""
     folder.mkdir(parents=True, exist_ok=True)
     script: Script = write_script(spec)
     path = folder / f"{spec.case_id}.py"
@@ -269,7 +276,7 @@ def run_case(spec: CaseSpec, folder: Path, timeout: float = CASE_TIMEOUT_S, resc
             stale.unlink(missing_ok=True)
         start = time.perf_counter()
         with busy_loops(spec.bg_load):
-            rc, why = _run(cmd, folder, folder / f"{spec.case_id}.out", timeout)
+            rc, why = (runner or _run)(cmd, folder, folder / f"{spec.case_id}.out", timeout)
         seconds = time.perf_counter() - start
     result = CaseResult(spec, folder, cmd, rc, seconds, [])
     if not json_path.exists():
