@@ -18,6 +18,7 @@ keeps the last ``capacity`` records; a reader that falls further behind than tha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 from time import monotonic_ns
 from typing import Any
 
+from stepscope.instrument.identity import host_label
 from stepscope.record import (
     OTHER_PHASE,
     OWN_PHASE,
@@ -68,8 +70,7 @@ class StreamError(Exception):
 
 def stream_name(hostname: str, pid: int) -> str:
     """The stream file of a process in a run folder: unique across the nodes and processes of a job."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in hostname.split(".")[0]) or "host"
-    return f"stream-{host}-pid{pid}{SUFFIX}"
+    return f"stream-{host_label(hostname)}-pid{pid}{SUFFIX}"
 
 
 class StepStream:
@@ -334,7 +335,6 @@ class Followed:
     recorder: Recorder = field(default_factory=lambda: Recorder(warmup=0))
     passes: EvalPasses = field(default_factory=EvalPasses)
     warmup_steps: int = 0
-    last_index: int | None = None  # the index of the last step read (warm-up or measured)
     last_at_ns: int | None = None  # when the last record was written (CLOCK_MONOTONIC ns)
     window_ns: list[int] | None = None  # [start, end] of the measured steps and passes
     # CLOCK_MONOTONIC ns of this host when it last saw a new record: a remote stream's own clock is not ours
@@ -360,7 +360,6 @@ class Followed:
                 else:
                     self.warmup_steps += 1
                     self.recorder.series.add(row.wall_ns)
-                self.last_index = row.index
             self.last_at_ns = row.at_ns
         if rows:
             self.seen_new_ns = time.monotonic_ns()
@@ -390,21 +389,9 @@ class Followed:
         validation passes and who it is (no system figures, no device time: those are the process's own)."""
         summary = summarize(self.recorder, "host")
         summary.steps = Steps(warmup=self.warmup_steps, measured=self.recorder.measured)
-        meta = self.meta
-        summary.meta = Meta(
-            stepscope_version=meta.get("stepscope_version", ""),
-            torch_version=meta.get("torch_version"),
-            command=meta.get("command", ""),
-            started_at=meta.get("started_at", ""),
-            hostname=meta.get("hostname", ""),
-            python_version=meta.get("python_version", ""),
-            rank=meta.get("rank"),
-            local_rank=meta.get("local_rank"),
-            world_size=meta.get("world_size"),
-            node_rank=meta.get("node_rank"),
-            job_id=meta.get("job_id"),
-            pid=meta.get("pid"),
-            launch_id=meta.get("launch_id"),
+        # The process's own Meta, as its header holds it; the figures here are its host time only.
+        summary.meta = dataclasses.replace(
+            Meta(**{f.name: self.meta[f.name] for f in dataclasses.fields(Meta) if f.name in self.meta}), timing="host"
         )
         if self.window_ns is not None and summary.steps.measured:
             window_s = (self.window_ns[1] - self.window_ns[0]) / 1e9

@@ -131,6 +131,11 @@ class Verdict:
     evidence: list[str] = field(default_factory=list)
 
 
+def is_final(summary: RunSummary) -> bool:
+    """Whether a process's summary is the one it wrote at its end, not a checkpoint written while it ran."""
+    return summary.exit is None or summary.exit.reason != "running"
+
+
 def describe_value(value: Any) -> str:
     """A fix's value as a person writes it on the command line: on/off, a number, a precision."""
     return ("on" if value else "off") if isinstance(value, bool) else str(value)

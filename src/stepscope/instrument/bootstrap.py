@@ -11,6 +11,7 @@ wrong here is reported once on stderr, and the script runs on.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.abc
 import importlib.util
 import json
@@ -116,25 +117,21 @@ def instrument(options: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
 
 
 def _stream_meta(tracker: Any) -> dict[str, Any]:
-    """Who the process is, for its step stream's header (read at its first kept step: its rank is known by then)."""
-    config, meta, who = tracker.config, tracker.scope._meta(), identify()
-    return {
-        "rank": who.rank,
-        "local_rank": who.local_rank,
-        "world_size": who.world_size,
-        "node_rank": who.node_rank,
-        "job_id": who.job_id,
-        "hostname": who.hostname,
-        "pid": who.pid,
-        "launch_id": config.launch_id,
-        "command": meta.command,
-        "started_at": meta.started_at,
-        "stepscope_version": meta.stepscope_version,
-        "torch_version": meta.torch_version,
-        "python_version": meta.python_version,
-        "warmup": config.warmup,
-        "steps": config.steps if config.stop else None,
-    }
+    """Who the process is, for its step stream's header (read at its first kept step: its rank is known by then):
+    the Meta its summary would carry, and the run's warm-up and steps."""
+    config, meta = tracker.config, tracker.scope._meta()
+    _identify(meta, config.launch_id)
+    return {**dataclasses.asdict(meta), "warmup": config.warmup, "steps": config.steps if config.stop else None}
+
+
+def _identify(meta: Any, launch_id: str | None) -> Any:
+    """Put who this process is in its job (rank, node, job, host, pid) and its launch into ``meta``; returns that
+    Identity."""
+    who = identify()
+    meta.rank, meta.local_rank, meta.world_size = who.rank, who.local_rank, who.world_size
+    meta.node_rank, meta.job_id, meta.hostname, meta.pid = who.node_rank, who.job_id, who.hostname, who.pid
+    meta.launch_id = launch_id
+    return who
 
 
 def _start(options: dict[str, Any]) -> None:
@@ -304,11 +301,7 @@ def _write_summary(tracker: Any, final: bool) -> None:
                 _state["checkpoints"].stop()  # no checkpoint may replace the final summary
             tracker.scope.close()  # the system sampler's last figures
         summary = tracker.summary(drain=final)
-        who = identify()
-        meta = summary.meta
-        meta.rank, meta.local_rank, meta.world_size = who.rank, who.local_rank, who.world_size
-        meta.node_rank, meta.job_id, meta.hostname, meta.pid = who.node_rank, who.job_id, who.hostname, who.pid
-        meta.launch_id = config.launch_id
+        who = _identify(summary.meta, config.launch_id)
         if not final:
             summary.exit = Exit(reason="running")
         _mark_failure(summary.exit)

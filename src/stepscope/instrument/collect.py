@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stepscope.summary import RunSummary, SummaryError, summary_files
+from stepscope.summary import RunSummary, SummaryError, is_final, summary_files
 
 RANK_FILES = "rank*-pid*.json"
 
@@ -67,10 +67,6 @@ def _files(inputs: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def _final(summary: RunSummary) -> bool:
-    return summary.exit is None or summary.exit.reason != "running"
-
-
 def _key(summary: RunSummary) -> tuple[str | None, int, str, int | None]:
     meta = summary.meta
     return meta.job_id, _rank(summary), meta.hostname, meta.pid
@@ -100,7 +96,7 @@ def gather(inputs: Iterable[str | Path]) -> Gathered:
             key = _key(rank)
             kept = chosen.get(key)
             # The same process twice: its final summary over a checkpoint, then the one with more steps.
-            if kept is None or (_final(rank), rank.steps.measured) > (_final(kept), kept.steps.measured):
+            if kept is None or (is_final(rank), rank.steps.measured) > (is_final(kept), kept.steps.measured):
                 chosen[key] = rank
                 found.sources[id(rank)] = str(path)
     folders = [Path(p) for p in inputs if Path(p).is_dir()]
@@ -183,7 +179,7 @@ def wait_for_ranks(folder: Path, job_id: str | None, world: int, timeout_s: floa
                 summary = RunSummary.from_json(path)
             except (OSError, SummaryError):
                 continue  # being replaced right now: read it next time
-            if summary.meta.job_id == job_id and _final(summary):
+            if summary.meta.job_id == job_id and is_final(summary):
                 done.add(_rank(summary))
         missing = sorted(set(range(world)) - done)
         if not missing or time.monotonic() >= deadline:

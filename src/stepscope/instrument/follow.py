@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from stepscope.instrument import HANG_AFTER, MIN_HANG_S
 from stepscope.invariants import check
 from stepscope.stream import Followed, StreamError, StreamReader, find_streams
-from stepscope.summary import Exit, RunSummary, SummaryError
+from stepscope.summary import Exit, RunSummary, SummaryError, is_final
 
 POLL_S = 0.5
 
@@ -101,7 +101,7 @@ class Follow:
         self.hang_after = hang_after
         self.started_ns = time.monotonic_ns()
         self.streams: dict[Path, Followed] = {}
-        self.stalls: dict[int | None, Stall] = {}  # the longest stall seen of each process, by pid
+        self.stalls: dict[tuple[str, int | None], Stall] = {}  # the longest stall of each process, by (host, pid)
         self._skipped: set[Path] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,23 +137,28 @@ class Follow:
         return job == self.job
 
     def _note_stall(self, followed: Followed) -> None:
-        if followed.reader.closed or not followed.recorder.measured:
+        """Keep the longest stall seen of each process (a stall only grows while it lasts)."""
+        stall = self._stall(followed)
+        if stall is None:
             return
+        key = (stall.hostname, stall.pid)
+        longest = self.stalls.get(key)
+        if longest is None or stall.quiet_s >= longest.quiet_s:
+            self.stalls[key] = stall
+
+    def _stall(self, followed: Followed) -> Stall | None:
+        """The process's stall now: no step for ``hang_after`` of its median steps (and ``min_hang_s``)."""
+        if followed.reader.closed or not followed.recorder.measured:
+            return None
         followed.recorder.fold()
         median_s = followed.recorder.step_stats.quantile(0.5)
         quiet_s = (time.monotonic_ns() - followed.seen_new_ns) / 1e9
         if quiet_s < max(self.min_hang_s, self.hang_after * median_s):
-            return
+            return None
         meta = followed.meta
-        pid = meta.get("pid")
-        self.stalls[pid] = Stall(
-            meta.get("rank"),
-            pid,
-            meta.get("hostname", ""),
-            followed.steps,
-            quiet_s,
-            median_s * 1e3,
-            waits=self._waits(meta.get("hostname", ""), pid),
+        hostname, pid = meta.get("hostname", ""), meta.get("pid")
+        return Stall(
+            meta.get("rank"), pid, hostname, followed.steps, quiet_s, median_s * 1e3, waits=self._waits(hostname, pid)
         )
 
     def _waits(self, hostname: str, pid: int | None) -> str | None:
@@ -171,14 +176,9 @@ class Follow:
         return None
 
     def stalled(self) -> list[Stall]:
-        """The processes stalled now: no step since the stall was noted."""
-        now = time.monotonic_ns()
-        found = []
-        for followed in self.streams.values():
-            stall = self.stalls.get(followed.meta.get("pid"))
-            if stall is not None and not followed.reader.closed and now - followed.seen_new_ns >= stall.quiet_s * 1e9:
-                found.append(dataclasses.replace(stall, quiet_s=(now - followed.seen_new_ns) / 1e9))
-        return found
+        """The processes stalled now."""
+        with self.lock:
+            return [stall for followed in self.streams.values() if (stall := self._stall(followed)) is not None]
 
     def summaries(self) -> list[RunSummary]:
         """Each followed process's summary so far, from its stream alone."""
@@ -253,8 +253,7 @@ def complete(
     for followed in list(follow.streams.values()):
         meta = followed.meta
         had = by_process.get((meta.get("hostname", ""), meta.get("pid")))
-        final = had is not None and not (had.exit is not None and had.exit.reason == "running")
-        if final or not followed.steps:
+        if (had is not None and is_final(had)) or not followed.steps:
             continue
         rebuilt = from_stream(followed, had, code, launcher, ended)
         if had is not None:
@@ -320,9 +319,10 @@ def _with_device_figures(phases: dict[str, Any], checkpointed: dict[str, Any]) -
 def stall_notes(follow: Follow) -> list[str]:
     """What the run's summary says of its stalls: the processes still stalled when the command ended (hung), and
     the longest pause of each other one that stalled and went on."""
-    hung = {stall.pid for stall in follow.stalled()}
-    notes = [f"hung: {stall.describe()} when the command ended." for stall in follow.stalled()]
-    for pid, stall in follow.stalls.items():
-        if pid not in hung:
+    stalled = follow.stalled()
+    notes = [f"hung: {stall.describe()} when the command ended." for stall in stalled]
+    hung = {(stall.hostname, stall.pid) for stall in stalled}
+    for key, stall in follow.stalls.items():
+        if key not in hung:
             notes.append(f"stalled, then went on: {stall.describe()}, then closed steps again.")
     return notes

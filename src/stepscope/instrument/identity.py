@@ -91,8 +91,12 @@ def identify(env: dict[str, str] | None = None) -> Identity:
     )
 
 
+def host_label(hostname: str) -> str:
+    """A host's name as it goes into a run folder's file names: its first label, in file-safe characters."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in hostname.split(".")[0]) or "host"
+
+
 def summary_name(identity: Identity) -> str:
     """The file a process writes its summary to in a run folder: unique across the nodes and processes of a job
     (and sorted by rank), ``rank00003-node7-pid4242.json``."""
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in identity.hostname.split(".")[0]) or "host"
-    return f"rank{identity.rank or 0:05d}-{host}-pid{identity.pid}.json"
+    return f"rank{identity.rank or 0:05d}-{host_label(identity.hostname)}-pid{identity.pid}.json"

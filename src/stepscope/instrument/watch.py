@@ -20,7 +20,7 @@ from stepscope.instrument.collect import RANK_FILES
 from stepscope.instrument.follow import POLL_S, Follow, Progress, complete, stall_notes
 from stepscope.instrument.merge import merge
 from stepscope.stream import Followed
-from stepscope.summary import RunSummary, SummaryError
+from stepscope.summary import RunSummary, SummaryError, is_final
 
 
 class WatchError(Exception):
@@ -66,7 +66,7 @@ def _ended(folder: Path, followed: Followed) -> bool:
     if meta.get("hostname") == socket.gethostname():
         pid = meta.get("pid")
         return pid is not None and not psutil.pid_exists(pid)
-    return any(s.exit is None or s.exit.reason != "running" for s in _summaries_of(folder, meta.get("pid")))
+    return any(is_final(s) for s in _summaries_of(folder, meta.get("pid")))
 
 
 def _summaries_of(folder: Path, pid: int | None) -> list[RunSummary]:
