@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,6 +387,21 @@ class RunSummary:
         except orjson.JSONDecodeError as exc:
             raise SummaryError(f"{path} is not valid JSON ({exc}).") from exc
         return cls.from_dict(data, source=str(path))
+
+
+def read_summaries(paths: Iterable[Path], keep: Callable[[RunSummary], bool]) -> tuple[list[RunSummary], list[str]]:
+    """The summaries in ``paths`` that ``keep`` accepts, and a note for each file that could not be read (a folder
+    being written into: the next read gets it)."""
+    found, notes = [], []
+    for path in paths:
+        try:
+            summary = RunSummary.from_json(path)
+        except SummaryError as error:
+            notes.append(f"a rank's summary could not be read: {error}")
+            continue
+        if keep(summary):
+            found.append(summary)
+    return found, notes
 
 
 def summary_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[str, str]]]:

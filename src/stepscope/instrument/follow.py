@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from stepscope.instrument import HANG_AFTER, MIN_HANG_S
 from stepscope.invariants import check
 from stepscope.stream import Followed, StreamError, StreamReader, find_streams
-from stepscope.summary import Exit, RunSummary, SummaryError, is_final
+from stepscope.summary import Exit, RunSummary, is_final, read_summaries
 
 POLL_S = 0.5
 
@@ -164,12 +164,11 @@ class Follow:
     def _waits(self, hostname: str, pid: int | None) -> str | None:
         """Where a stalled process waits, as its last checkpoint found it (after ``--checkpoint-s`` without a step),
         e.g. "in torch.distributed.distributed_c10d.all_reduce at train.py:42"; None before a checkpoint saw it."""
-        for path in self.folder.glob(f"rank*-pid{pid}.json"):
-            try:
-                summary = RunSummary.from_json(path)
-            except SummaryError:
-                continue  # being replaced: the next poll reads it
-            hung = summary.exit.hung if summary.exit is not None and summary.meta.hostname == hostname else None
+        written, _ = read_summaries(
+            self.folder.glob(f"rank*-pid{pid}.json"), lambda s: s.meta.hostname == hostname and s.exit is not None
+        )
+        for summary in written:
+            hung = summary.exit.hung
             if hung and hung.get("where"):
                 calls = f"in {hung['calls']} " if hung.get("calls") else ""
                 return f"{calls}at {hung['where']}"

@@ -34,7 +34,7 @@ from stepscope.instrument.follow import HANG_AFTER, NO_PROGRESS, Follow, Progres
 from stepscope.instrument.merge import merge
 from stepscope.instrument.pyspy import RecordedProcess
 from stepscope.instrument.tracker import RunConfig
-from stepscope.summary import Exit, RunSummary, SummaryError
+from stepscope.summary import Exit, RunSummary, read_summaries
 
 
 @dataclass
@@ -222,21 +222,6 @@ def _wait(
     return (128 - code if code < 0 else code), timed_out  # killed by signal N: the shell's 128+N
 
 
-def _read_ranks(out_dir: Path, launch_id: str) -> tuple[list[RunSummary], list[str]]:
-    """The summaries this launch's processes wrote into ``out_dir`` (a shared ``--out`` folder also holds other
-    nodes' and other runs' files)."""
-    summaries, notes = [], []
-    for path in sorted(out_dir.glob(RANK_FILES)):
-        try:
-            summary = RunSummary.from_json(path)
-        except SummaryError as error:
-            notes.append(f"a rank's summary could not be read: {error}")
-            continue
-        if summary.meta.launch_id == launch_id:
-            summaries.append(summary)
-    return summaries, notes
-
-
 def _job_ranks(out_dir: Path, own: list[RunSummary], wait_s: float) -> tuple[list[RunSummary], list[str]]:
     """With a shared ``--out`` folder: this node's ranks and those the job's other nodes wrote there, once each
     has written its final summary or ``wait_s`` has passed. Only this node's ranks when the job has no id."""
@@ -320,7 +305,8 @@ def run(
         finally:
             follow.stop()
         ran_s = time.monotonic() - started
-        summaries, notes = _read_ranks(out_dir, launch_id)
+        # A shared --out folder also holds other nodes' and other runs' files: this launch's processes' only.
+        summaries, notes = read_summaries(sorted(out_dir.glob(RANK_FILES)), lambda s: s.meta.launch_id == launch_id)
         summaries = complete(summaries, follow, code, target.launcher)
         notes += stall_notes(follow)
         if isinstance(process, RecordedProcess):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -20,7 +21,7 @@ from stepscope.instrument.collect import RANK_FILES
 from stepscope.instrument.follow import POLL_S, Follow, Progress, complete, stall_notes
 from stepscope.instrument.merge import merge
 from stepscope.stream import Followed
-from stepscope.summary import RunSummary, SummaryError, is_final
+from stepscope.summary import RunSummary, is_final, read_summaries
 
 
 class WatchError(Exception):
@@ -66,28 +67,16 @@ def _ended(folder: Path, followed: Followed) -> bool:
     if meta.get("hostname") == socket.gethostname():
         pid = meta.get("pid")
         return pid is not None and not psutil.pid_exists(pid)
-    return any(is_final(s) for s in _summaries_of(folder, meta.get("pid")))
+    written, _ = read_summaries(folder.glob(f"rank*-pid{meta.get('pid')}.json"), lambda s: _same(s, meta))
+    return any(is_final(s) for s in written)
 
 
-def _summaries_of(folder: Path, pid: int | None) -> list[RunSummary]:
-    found = []
-    for path in folder.glob(RANK_FILES.replace("pid*", f"pid{pid}")):
-        try:
-            found.append(RunSummary.from_json(path))
-        except SummaryError:
-            continue  # being replaced: the next poll reads it
-    return found
+def _same(summary: RunSummary, meta: dict[str, Any]) -> bool:
+    return (summary.meta.hostname, summary.meta.pid) == (meta.get("hostname"), meta.get("pid"))
 
 
 def _final_summaries(folder: Path, follow: Follow) -> list[RunSummary]:
     """The summaries the followed processes wrote into the folder (final ones, or their last checkpoint)."""
     wanted = {(f.meta.get("hostname"), f.meta.get("pid")) for f in follow.streams.values()}
-    found = []
-    for path in sorted(folder.glob(RANK_FILES)):
-        try:
-            summary = RunSummary.from_json(path)
-        except SummaryError:
-            continue
-        if (summary.meta.hostname, summary.meta.pid) in wanted:
-            found.append(summary)
+    found, _ = read_summaries(sorted(folder.glob(RANK_FILES)), lambda s: (s.meta.hostname, s.meta.pid) in wanted)
     return found
