@@ -51,9 +51,17 @@ def test_device_time_per_phase_in_summary(clock, events):
     assert fwd.mean_ms == approx(2)
     assert bwd.mean_ms == approx(3)
     assert s.phases["total"].mean_ms == approx(5)
-    # device share: device mean * steps / host step time = 7 ms * 4 / 20 ms (the GPU runs behind the host)
-    assert fwd.device_share == approx(1.4)
-    assert bwd.device_share == approx(2.8)
+    # The host queued each step in 5 ms and the GPU took 3f ms (12, 18, 24, 30: first event to last): the host ran
+    # ahead, so the step's pace is the GPU's, 84 ms over 4 steps, and the device shares are of that.
+    assert fwd.device_share == approx(28 / 84)
+    assert bwd.device_share == approx(56 / 84)
+    assert s.throughput.step_time_ms == approx(21) and s.throughput.gpu_excess_ms == approx(16)
+    assert s.throughput.steps_per_s == approx(4 / 0.084)
+    assert s.throughput.samples_per_s == approx(16 / 0.084)
+    assert s.series.step_ms == [approx(12), approx(18), approx(24), approx(30)]
+    assert s.wall.steps_s == approx(0.084) and s.wall.window_s == approx(0.084)
+    assert any("the host ran ahead of the GPU" in note for note in s.notes), s.notes
+    assert s.invariants == []
     # phases without events carry no device figures
     assert s.phases["other"].device_mean_ms is None
     assert s.phases["total"].device_mean_ms is None
@@ -233,11 +241,11 @@ def test_device_timer_out_of_order(events):
     events.complete(second)
     early = timer.harvest()
     # s2 either comes out now or waits for s1; s1 cannot come out before it completes
-    assert early in ([], [("s2", {"forward": approx(0.007)})])
+    assert early in ([], [("s2", {"forward": approx(0.007)}, approx(0.007))])
     assert timer.pending_steps == 2 - len(early)
     events.complete(first)
     late = timer.harvest()
-    harvested = dict(early + late)
+    harvested = {done.token: done.seconds for done in early + late}
     assert len(early + late) == 2
     assert harvested == {"s1": {"forward": approx(0.003)}, "s2": {"forward": approx(0.007)}}
     assert timer.pending_steps == 0
@@ -280,7 +288,8 @@ def test_device_timer_partial_step_waits_for_all_its_events(events):
     events.complete(recorded[:2])  # forward done, backward still running
     assert timer.harvest() == []
     events.complete(recorded[2:])
-    assert timer.harvest() == [("s1", {"forward": approx(0.002), "backward": approx(0.005)})]
+    # the step's span on the GPU runs from the forward's first event to the backward's last
+    assert timer.harvest() == [("s1", {"forward": approx(0.002), "backward": approx(0.005)}, approx(0.007))]
 
 
 def test_device_timer_sums_a_phase_recorded_twice(events):
@@ -290,7 +299,7 @@ def test_device_timer_sums_a_phase_recorded_twice(events):
         events.run(gpu_ms)
         timer.stop("forward", start)
     timer.close_step("s1")
-    assert timer.drain() == [("s1", {"forward": approx(0.005)})]
+    assert timer.drain() == [("s1", {"forward": approx(0.005)}, approx(0.005))]
     assert events.syncs == 1
 
 
@@ -312,11 +321,11 @@ def test_device_timer_bounds_pending_steps_and_recycles_events(events):
     assert events.created == 10
     events.complete_all()
     done = timer.harvest()
-    assert [token for token, _ in done] == [6, 7, 8, 9]
-    assert [seconds["forward"] for _, seconds in done] == [approx(0.007), approx(0.008), approx(0.009), approx(0.010)]
+    assert [token for token, _, _ in done] == [6, 7, 8, 9]
+    assert [seconds["forward"] for _, seconds, _ in done] == [approx(0.007), approx(0.008), approx(0.009), approx(0.01)]
     for k in range(10, 15):
         events.complete(timer_step(timer, events, k, 1))
-        assert timer.harvest() == [(k, {"forward": approx(0.001)})]
+        assert timer.harvest() == [(k, {"forward": approx(0.001)}, approx(0.001))]
     assert events.created == 10  # the pool stopped new_event from growing
     assert timer.dropped_steps == 6
     assert events.syncs == 0
@@ -328,7 +337,7 @@ def test_device_timer_drain_synchronizes_once(events):
         timer_step(timer, events, k, 2)
     done = timer.drain()
     assert events.syncs == 1
-    assert [token for token, _ in done] == [0, 1, 2]
+    assert [token for token, _, _ in done] == [0, 1, 2]
     assert timer.pending_steps == 0
     assert timer.drain() == []
     assert events.syncs == 1
@@ -341,3 +350,82 @@ def test_device_timer_drain_synchronizes_once(events):
 def test_cuda_timing_without_events_or_cuda_raises(clock):
     with pytest.raises(ValueError, match=r"timing='cuda' needs a CUDA device.*use timing='auto' or 'host'"):
         Scope(clock=clock, timing="cuda")
+
+
+# -- the step's pace where the host runs ahead of the GPU ------------------------------------------------------
+
+
+def paced_steps(scope, clock, events, host_ms, gpu_ms, batch_size=8):
+    """Steps that never wait for the GPU: each queues its forward and backward in ``host_ms`` of host time while
+    the GPU runs them in ``gpu_ms`` (a list, one value a step)."""
+    for host, gpu in zip(host_ms, gpu_ms, strict=True):
+        with scope.phase("forward"):
+            clock.advance(0.4 * host)
+            events.run(0.4 * gpu)
+        with scope.phase("backward"):
+            clock.advance(0.6 * host)
+            events.run(0.6 * gpu)
+        scope.step(batch_size=batch_size)
+
+
+def test_a_loop_that_never_waits_for_the_gpu_is_timed_at_the_gpus_pace(clock, events):
+    # The host queues a step in 1 ms, the GPU runs it in 10 ms: 20 steps take the GPU 200 ms, not the host's 20 ms.
+    scope = cuda_scope(clock, events)
+    paced_steps(scope, clock, events, [1] * 20, [10] * 20)
+    s = scope.summary()
+    assert s.phases["total"].mean_ms == approx(1)  # the host's time to queue a step
+    assert s.throughput.step_time_ms == approx(10) and s.throughput.gpu_excess_ms == approx(9)
+    assert s.throughput.steps_per_s == approx(100) and s.throughput.samples_per_s == approx(800)
+    assert s.wall.window_s == approx(0.2) and s.throughput.wall_steps_per_s == approx(100)
+    assert s.series.step_ms == [approx(10)] * 20
+    assert s.phases["forward"].device_share == approx(0.4) and s.phases["backward"].device_share == approx(0.6)
+    assert s.verdict.bound == "compute", s.verdict
+    assert any("the host ran ahead of the GPU" in note for note in s.notes), s.notes
+    assert s.invariants == [], s.invariants
+
+
+def test_a_gpu_that_keeps_up_leaves_the_host_figures_as_they_are(clock, events):
+    scope = cuda_scope(clock, events)
+    paced_steps(scope, clock, events, [5] * 10, [2] * 10)
+    s = scope.summary()
+    assert s.throughput.step_time_ms == approx(5) and s.throughput.gpu_excess_ms is None
+    assert s.throughput.steps_per_s == approx(200)
+    assert s.series.step_ms == [approx(5)] * 10
+    assert not any("ran ahead" in note for note in s.notes)
+
+
+def test_a_full_launch_queue_adds_no_time_for_the_jitter_between_host_and_gpu(clock, events):
+    # Once CUDA's launch queue is full the host waits in its launches and keeps the GPU's pace: step by step the
+    # two differ by jitter alone (here ±1 ms, alternating), and the mean pace is the host's 10 ms. Taking the larger
+    # of the two each step would read 11 ms.
+    scope = cuda_scope(clock, events)
+    host = [10 + (1 if k % 2 else -1) for k in range(40)]
+    gpu = [10 + (-1 if k % 2 else 1) for k in range(40)]
+    paced_steps(scope, clock, events, host, gpu)
+    s = scope.summary()
+    assert s.throughput.step_time_ms == pytest.approx(10, rel=0.01)
+    assert not any("ran ahead" in note for note in s.notes)
+
+
+def test_the_gpu_catching_up_gives_back_what_the_host_got_ahead(clock, events):
+    # 10 steps where the GPU is the slower (1 ms host, 5 ms GPU), then 10 where the host is (9 ms host, 1 ms GPU):
+    # the GPU's backlog of 40 ms drains over the second half, so the whole window is the host's 100 ms, and each
+    # step of the series still has a non-negative time that adds up to it.
+    scope = cuda_scope(clock, events)
+    paced_steps(scope, clock, events, [1] * 10 + [9] * 10, [5] * 10 + [1] * 10)
+    s = scope.summary()
+    assert s.throughput.step_time_ms == approx(5) and s.throughput.gpu_excess_ms is None
+    assert sum(s.series.step_ms) == approx(100) and min(s.series.step_ms) >= 0
+    assert s.series.step_ms[:10] == [approx(5)] * 10  # while the GPU was behind, its pace
+
+
+def test_series_points_take_time_added_after_their_steps():
+    from stepscope.record import SeriesBuilder
+
+    series = SeriesBuilder(points=2)
+    for _ in range(5):
+        series.add(1_000_000)  # 1 ms steps: 4 points merge into 2 of stride 2, then one step pending
+    series.add_late(0, 2_000_000)  # the first step, now in the first point
+    series.add_late(4, 1_000_000)  # the pending step
+    got = series.series()
+    assert got.stride == 2 and got.step_ms == [approx(2), approx(1), approx(2)]

@@ -163,7 +163,7 @@ def test_round_trip_of_a_real_scope_summary(tmp_path, clock):
 def test_json_form_puts_schema_version_first():
     data = orjson.loads(full_summary().to_json())
     assert next(iter(data)) == "schema_version"
-    assert data["schema_version"] == SCHEMA_VERSION == 7
+    assert data["schema_version"] == SCHEMA_VERSION == 8
     assert data["phases"]["forward"]["device_p95_ms"] == 22.0
     assert data["fixes"][1]["gain_bound"] is None
 

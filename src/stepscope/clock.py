@@ -12,7 +12,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 Clock = Callable[[], int]
 """A monotonic clock returning nanoseconds."""
@@ -100,6 +100,14 @@ def cuda_in_use() -> bool:
 Interval = tuple[str, DeviceEvent, DeviceEvent]
 
 
+class Harvested(NamedTuple):
+    """One step's device time, read once its events completed."""
+
+    token: Any  # what ``close_step`` was given (the step's record)
+    seconds: dict[str, float]  # device time per phase, s
+    span_s: float  # from the step's first event to its last on the device's timeline: the GPU's time for the step
+
+
 class HostOnly:
     """The device timer used on CPU and during warm-up: records nothing, harvests nothing."""
 
@@ -118,10 +126,10 @@ class HostOnly:
     def discard_step(self) -> None:
         return None
 
-    def harvest(self) -> list[tuple[Any, dict[str, float]]]:
+    def harvest(self) -> list[Harvested]:
         return []
 
-    def drain(self) -> list[tuple[Any, dict[str, float]]]:
+    def drain(self) -> list[Harvested]:
         return []
 
 
@@ -132,17 +140,21 @@ class DeviceTimer:
     """Device time per phase from event pairs, harvested without ever blocking the host.
 
     ``start``/``stop`` bracket a phase; ``close_step(token)`` hands the step's event pairs to the pending queue;
-    ``harvest()`` returns ``(token, {phase: seconds})`` for the oldest pending steps whose events have all
-    completed, and recycles their events. ``drain()`` synchronises once and harvests everything: call it only
-    outside the training loop. At most ``max_pending_steps`` steps wait; beyond that the oldest is dropped (and
-    counted), which bounds memory if events never complete.
+    ``harvest()`` returns a ``Harvested`` (token, {phase: seconds}, the step's span on the device) for the oldest
+    pending steps whose events have all completed, and recycles their events. The span runs from the step's first
+    event to its last: where the host queues work faster than the GPU runs it (a loop that never waits for the
+    GPU), the span, not the host's time, is the step's pace. ``drain()`` synchronises once and harvests everything:
+    call it only outside the training loop. At most ``max_pending_steps`` steps wait; beyond that the oldest is
+    dropped (and counted), which bounds memory if events never complete.
     """
 
     def __init__(self, source: EventSource, max_pending_steps: int = 256) -> None:
         self._source = source
         self._pool: list[DeviceEvent] = []
         self._intervals: list[Interval] = []
-        self._pending: deque[tuple[Any, list[Interval]]] = deque()
+        self._pending: deque[tuple[Any, list[Interval], DeviceEvent | None, DeviceEvent | None]] = deque()
+        self._first: DeviceEvent | None = None  # the current step's first and last recorded events
+        self._last: DeviceEvent | None = None
         self._max_pending = max_pending_steps
         self.dropped_steps = 0
 
@@ -153,6 +165,9 @@ class DeviceTimer:
     def _event(self) -> DeviceEvent:
         event = self._pool.pop() if self._pool else self._source.new_event()
         self._source.record(event)
+        if self._first is None:
+            self._first = event
+        self._last = event
         return event
 
     def start(self) -> DeviceEvent:
@@ -162,12 +177,13 @@ class DeviceTimer:
         self._intervals.append((phase, start, self._event()))
 
     def close_step(self, token: Any) -> None:
+        first, last, self._first, self._last = self._first, self._last, None, None
         if not self._intervals:
             return
-        self._pending.append((token, self._intervals))
+        self._pending.append((token, self._intervals, first, last))
         self._intervals = []
         if len(self._pending) > self._max_pending:
-            _, intervals = self._pending.popleft()
+            _, intervals, _, _ = self._pending.popleft()
             self._recycle(intervals)
             self.dropped_steps += 1
 
@@ -175,28 +191,32 @@ class DeviceTimer:
         """Forget the current step's events (a step left out of the statistics); they are reused."""
         self._recycle(self._intervals)
         self._intervals = []
+        self._first = self._last = None
 
     def _recycle(self, intervals: list[Interval]) -> None:
         for _, start, end in intervals:
             self._pool.append(start)
             self._pool.append(end)
 
-    def harvest(self) -> list[tuple[Any, dict[str, float]]]:
-        done: list[tuple[Any, dict[str, float]]] = []
+    def harvest(self) -> list[Harvested]:
+        done: list[Harvested] = []
         pending = self._pending
         # Steps are harvested oldest first and the scan stops at the first step still in flight: a stream
         # completes its work in order, so this costs O(completed + 1) queries however far the host runs ahead.
         # A later step that completes first (another stream) simply waits for the older one; nothing is lost.
         while pending:
-            token, intervals = pending[0]
+            token, intervals, first, last = pending[0]
             if not all(end.query() and start.query() for _, start, end in reversed(intervals)):
                 break
             pending.popleft()
-            done.append((token, _device_seconds(intervals)))
+            # first and last are among the intervals' events (a phase left open at the step's close is the one
+            # exception: its start is then recorded, and so complete, before the intervals' last end)
+            span_s = 0.0 if first is None or last is None or first is last else first.elapsed_time(last) / 1e3
+            done.append(Harvested(token, _device_seconds(intervals), max(span_s, 0.0)))
             self._recycle(intervals)
         return done
 
-    def drain(self) -> list[tuple[Any, dict[str, float]]]:
+    def drain(self) -> list[Harvested]:
         if self._pending:
             self._source.synchronize()
         return self.harvest()

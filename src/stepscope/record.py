@@ -147,11 +147,13 @@ class SeriesBuilder:
         self._sums_ns: list[int] = []
         self._pending_ns = 0
         self._pending = 0
+        self.count = 0  # steps added
 
     def add(self, step_ns: int) -> None:
         """Add one step's wall time (ns)."""
         self._pending_ns += step_ns
         self._pending += 1
+        self.count += 1
         if self._pending == self.stride:
             self._sums_ns.append(self._pending_ns)
             self._pending_ns = 0
@@ -160,6 +162,15 @@ class SeriesBuilder:
                 sums = self._sums_ns
                 self._sums_ns = [sums[i] + sums[i + 1] for i in range(0, len(sums), 2)]
                 self.stride *= 2
+
+    def add_late(self, at: int, extra_ns: int) -> None:
+        """Add ``extra_ns`` to the step added ``at``-th (from 0), known only after it was added: the GPU's time for
+        it beyond the host's, once its events completed."""
+        point = at // self.stride
+        if point < len(self._sums_ns):
+            self._sums_ns[point] += extra_ns
+        else:
+            self._pending_ns += extra_ns
 
     def series(self) -> StepSeries | None:
         """The series so far (the last point may average fewer than ``stride`` steps); None before any step."""
@@ -225,6 +236,8 @@ class StepRecord:
     samples: int | None = None
     device_s: dict[str, float] | None = None
     end_ns: int = 0  # when it closed, on the scope's clock (CLOCK_MONOTONIC ns with the default clock); 0: not known
+    gpu_excess_ns: int = 0  # what the step added to how far the GPU's finish lies beyond the host's (add_device)
+    series_at: int = -1  # its place in the step series; -1 until kept
 
 
 @dataclass
@@ -254,6 +267,9 @@ class Recorder:
     nested: set[str] = field(default_factory=set)
     samples: int = 0
     sampled_step_s: float = 0.0
+    gpu_excess_ns: int = 0  # over the measured steps: the GPU's time beyond the host's (StepRecord.gpu_excess_ns)
+    _queued_ns: int = 0  # the host's time in the steps with device time so far: when it finished queueing them
+    _gpu_done_ns: int = 0  # when the GPU finished them, on the same time line
     recent: deque[StepRecord] = field(init=False)
     series: SeriesBuilder = field(default_factory=SeriesBuilder)  # every timed step, warm-up and profiled too
     _unfolded: list[StepRecord] = field(default_factory=list)
@@ -305,17 +321,37 @@ class Recorder:
 
     def _keep(self, record: StepRecord, measured: bool) -> None:
         self.on_keep(record, measured)
-        self.series.add(record.step_ns)
+        record.series_at = self.series.count
+        self.series.add(record.step_ns + record.gpu_excess_ns)
         if measured:
             self.recent.append(record)
             self._unfolded.append(record)
             if len(self._unfolded) >= self.fold_every:
                 self.fold()
 
-    def add_device(self, record: StepRecord, device_s: dict[str, float]) -> None:
-        """Attach a step's device seconds once its events completed (possibly several steps later)."""
+    def add_device(self, record: StepRecord, device_s: dict[str, float], span_s: float = 0.0) -> None:
+        """Attach a step's device seconds once its events completed (possibly several steps later), with the GPU's
+        span for the step (s, from its first event to its last).
+
+        Where the host queues work faster than the GPU runs it (a loop that never waits for the GPU), the GPU's
+        pace is the step's. Steps arrive here in order; the host and the GPU are modelled as a producer and a
+        consumer on the steps' time line: the GPU starts a step once the host began queueing it and the GPU
+        finished the one before. ``gpu_excess_ns`` is how far the GPU's finish then lies beyond the host's: the
+        window's time the host clock missed. Each step's share of it (its change, which can be negative as the GPU
+        catches up, but never below minus the step's host time) goes to the step's time in the series. A step
+        queued as fast as its GPU work runs (a full launch queue) adds nothing: its host time is the pace."""
         record.device_s = device_s
         self._unfolded_device.append(device_s)
+        queued_from = self._queued_ns
+        self._queued_ns += record.step_ns
+        lag_before = max(0, self._gpu_done_ns - queued_from)
+        self._gpu_done_ns = max(self._gpu_done_ns, queued_from) + round(span_s * 1e9)
+        excess_ns = max(0, self._gpu_done_ns - self._queued_ns) - lag_before
+        if excess_ns:
+            record.gpu_excess_ns = excess_ns
+            self.gpu_excess_ns += excess_ns
+            if record.series_at >= 0:
+                self.series.add_late(record.series_at, excess_ns)
         if len(self._unfolded_device) >= self.fold_every:
             self.fold()
 
@@ -362,6 +398,9 @@ def phase_order(names: list[str]) -> list[str]:
     return [*canonical, *custom, *last]
 
 
+HOST_AHEAD_SHARE = 0.05  # GPU time beyond the host's, as a share of the step, from which the summary says so
+
+
 def summarize(recorder: Recorder, timing: str) -> RunSummary:
     """The statistics part of a RunSummary: steps, per-phase statistics, throughput (meta left default)."""
     recorder.fold()
@@ -382,6 +421,10 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
             )
         return summary
     total_s = step.total
+    # Where the host ran ahead of the GPU, the step's pace is the GPU's: the device share and the rates are over
+    # the GPU-paced time (host time plus the GPU's time beyond it); the host phases keep their host shares.
+    excess_s = recorder.gpu_excess_ns / 1e9  # 0 unless CUDA-timed
+    paced_s = total_s + excess_s
     for name in phase_order(list(recorder.phases)):
         track = recorder.phases[name]
         stats = PhaseStats(
@@ -397,7 +440,7 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
             stats.device_median_ms = _ms(track.device.quantile(0.5))
             stats.device_p95_ms = _ms(track.device.quantile(0.95))
             # Device time of the steps harvested so far, scaled to all measured steps.
-            stats.device_share = (track.device.mean * track.host.count) / total_s if total_s > 0 else 0.0
+            stats.device_share = (track.device.mean * track.host.count) / paced_s if paced_s > 0 else 0.0
         summary.phases[name] = stats
     summary.phases[TOTAL] = PhaseStats(
         mean_ms=_ms(step.mean),
@@ -406,11 +449,19 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
         share=1.0,
         steps=step.count,
     )
+    samples_per_s = recorder.samples / recorder.sampled_step_s if recorder.sampled_step_s > 0 else None
     summary.throughput = Throughput(
-        steps_per_s=step.count / total_s if total_s > 0 else None,
-        samples_per_s=recorder.samples / recorder.sampled_step_s if recorder.sampled_step_s > 0 else None,
-        step_time_ms=_ms(step.mean),
+        steps_per_s=step.count / paced_s if paced_s > 0 else None,
+        samples_per_s=None if samples_per_s is None or paced_s <= 0 else samples_per_s * total_s / paced_s,
+        step_time_ms=_ms(paced_s / step.count),
+        gpu_excess_ms=_ms(excess_s / step.count) if excess_s > 0 else None,
     )
+    if excess_s > HOST_AHEAD_SHARE * paced_s:
+        summary.notes.append(
+            f"the host ran ahead of the GPU: it queued a step's work in {_ms(step.mean):.2f} ms and the GPU took "
+            f"{_ms(paced_s / step.count):.2f} ms, so the step time and the rates are the GPU's pace (from its "
+            "events, with no sync); the host's phase times are the time to queue the work."
+        )
     return summary
 
 

@@ -590,13 +590,15 @@ class Scope:
             if drain:  # the run is over: no next step will show that the held step's stretch recurs
                 self._settle_held(recurs=False)
             harvested = self._device.drain() if drain else self._device.harvest()
-            for record, device_s in harvested:
-                self._recorder.add_device(record, device_s)
+            for done in harvested:
+                self._recorder.add_device(done.token, done.seconds, done.span_s)
         except Exception as error:
             self._fail(error)
         summary = summarize(self._recorder, self._timing_used)
         summary.meta = self._meta()
-        summary.wall = self._wall(self._recorder.step_stats.total) if summary.steps.measured else None
+        recorder = self._recorder
+        if summary.steps.measured:
+            summary.wall = self._wall(recorder.step_stats.total, recorder.gpu_excess_ns / 1e9)
         add_wall_rates(summary)
         throughput = summary.throughput
         if self.flops_per_step and throughput.step_time_ms:
@@ -604,7 +606,6 @@ class Scope:
             throughput.tflops = self.flops_per_step / (throughput.step_time_ms / 1e3) / 1e12
             if self.peak_tflops:
                 throughput.mfu = throughput.tflops / self.peak_tflops
-        recorder = self._recorder
         try:
             summary.system = self._collectors.peek(
                 steps=recorder.measured + recorder.profiled, samples=recorder.samples or None
@@ -726,8 +727,8 @@ class Scope:
             device = self._device
             device.close_step(record)
             if device.pending_steps:
-                for done, device_s in device.harvest():
-                    recorder.add_device(done, device_s)
+                for done in device.harvest():
+                    recorder.add_device(done.token, done.seconds, done.span_s)
             if side:
                 self._held = (record, side)  # validation, or step work if the next step cuts out a stretch too
             else:
@@ -764,11 +765,14 @@ class Scope:
         else:
             window[0], window[1] = min(window[0], start_ns), max(window[1], end_ns)
 
-    def _wall(self, steps_s: float) -> Wall | None:
-        """Where the measured window's wall time went: training steps, validation passes, neither (s)."""
+    def _wall(self, steps_s: float, gpu_excess_s: float) -> Wall | None:
+        """Where the measured window's wall time went: training steps, validation passes, neither (s). Where the
+        host ran ahead of the GPU, the GPU's time beyond the host's (``gpu_excess_s``) is in the steps and the
+        window: the window ends when the GPU finished the last step, not when the host queued it."""
         if self._window is None:
             return None
-        window_s = (self._window[1] - self._window[0]) / 1e9
+        steps_s += gpu_excess_s
+        window_s = (self._window[1] - self._window[0]) / 1e9 + gpu_excess_s
         eval_s = self._eval.durations.total
         between_s = window_s - steps_s - eval_s
         if -1e-6 < between_s < 0:  # float sums of integer nanoseconds

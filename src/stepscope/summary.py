@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
 COSTS = ("config", "code", "infra")
@@ -105,6 +105,7 @@ class Throughput:
     wall_steps_per_s: float | None = None
     wall_samples_per_s: float | None = None
     step_time_ms: float | None = None
+    gpu_excess_ms: float | None = None  # the GPU's time per step beyond the host's, in step_time_ms (host ahead)
     flops_per_step: int | None = None  # model FLOPs of one forward+backward (FlopCounterMode), when counted
     tflops: float | None = None  # achieved: flops_per_step / mean step time
     mfu: float | None = None  # tflops / the GPU's dense peak for the training dtype, 0..1
@@ -526,6 +527,10 @@ def _add_loss_overhead(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "loss": None, "overhead": None, "schema_version": 7}
 
 
+def _add_gpu_excess(data: dict[str, Any]) -> dict[str, Any]:
+    return {**data, "schema_version": 8}  # Throughput.gpu_excess_ms has a default
+
+
 # schema_version N -> N+1: each entry turns a loaded dict of version N into version N+1.
 _UPGRADES: dict[int, Any] = {
     1: _add_facts,
@@ -534,4 +539,5 @@ _UPGRADES: dict[int, Any] = {
     4: _add_applied,
     5: _add_wall,
     6: _add_loss_overhead,
+    7: _add_gpu_excess,
 }

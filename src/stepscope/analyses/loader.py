@@ -317,7 +317,7 @@ def measure_loader(
     elapsed_s = (measured_end - measured_start) / 1e9
     fetch_ms = [ns / 1e6 for ns in fetch_ns]
     known = [s for s in samples if s is not None]
-    h2d = [seconds["h2d"] for _, seconds in timer.drain() if "h2d" in seconds]
+    h2d = [done.seconds["h2d"] for done in timer.drain() if "h2d" in done.seconds]
     in_process = settings is None or settings.num_workers == 0
     return LoaderResult(
         samples_per_s=sum(known) / elapsed_s if known and len(known) == len(samples) and elapsed_s > 0 else None,

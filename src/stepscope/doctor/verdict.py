@@ -60,6 +60,7 @@ def group_shares(summary: RunSummary) -> dict[str, float]:
         shares = {group: sum(_host_share(phases, p) for p in names) for group, names in GROUPS.items()}
         shares["data"] = data
         return shares
+    data *= _host_part(summary)  # of the GPU-paced step, as the device shares are
     compute = sum(_device_share(phases, p) for p in GROUPS["compute"])
     optimizer = sum(_device_share(phases, p) for p in GROUPS["optimizer"])
     comms = sum(_device_share(phases, p) for p in GROUPS["comms"])  # the compute stream waiting for collectives
@@ -68,10 +69,17 @@ def group_shares(summary: RunSummary) -> dict[str, float]:
     return {"data": data, "compute": compute, "comms": comms, "optimizer": optimizer, "host": host}
 
 
+def _host_part(summary: RunSummary) -> float:
+    """The host's step time as a share of the step's pace (1 unless the host ran ahead of the GPU)."""
+    host_ms, excess_ms = summary.phases[TOTAL].mean_ms, summary.throughput.gpu_excess_ms or 0.0
+    return host_ms / (host_ms + excess_ms) if host_ms + excess_ms > 0 else 1.0
+
+
 def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
     phases = summary.phases
-    total_ms = phases[TOTAL].mean_ms
     cuda = summary.meta.timing == "cuda" and group in ("compute", "optimizer")
+    # GPU shares are of the GPU-paced step (the host's time plus the GPU's beyond it), host shares of the host's
+    total_ms = phases[TOTAL].mean_ms + ((summary.throughput.gpu_excess_ms or 0.0) if cuda else 0.0)
     lines = []
     for name in GROUPS[group]:
         stats = phases.get(name)
