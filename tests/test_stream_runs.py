@@ -9,7 +9,6 @@ import random
 import signal
 import socket
 import subprocess
-import time
 
 import psutil
 import pytest
@@ -144,10 +143,13 @@ def test_ctrl_c_ends_the_watch_not_the_job_and_prints_the_figures_so_far(tmp_pat
         stream.step(StepRecord(index, 4_000_000, {"forward": 1_000_000, "other": 3_000_000}, 8), measured=index >= 2)
     cmd = [*stepscope_cmd(None, warmup=None, steps=None, verb="watch"), str(tmp_path), "--progress", "plain"]
     watch = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.0)  # a few polls
-    assert watch.poll() is None, watch.communicate()  # the job has not ended: the watch goes on
+    # Its first progress line says it follows the job. A fixed wait is not enough: on a loaded machine the watch
+    # can still be importing when it ends, and an interpreter that is starting up is not yet the watch's to stop.
+    first = watch.stderr.readline()
+    assert first.startswith("stepscope: ") and watch.poll() is None, (first, watch.communicate())
     watch.send_signal(signal.SIGINT)
     stdout, stderr = watch.communicate(timeout=30)
+    stderr = first + stderr
     assert watch.returncode == 130, stderr
     assert "Traceback" not in stderr, stderr
     assert "throughput: 250.00 steps/s, 2000.0 samples/s over 28 measured steps (warm-up 2)" in stdout, stdout
