@@ -61,7 +61,9 @@ def test_run_trace_nvtx_and_nsys_window_on_a_loader_bound_cuda_script(tmp_path):
     analysis = analyze_trace(traces)
     (rank,) = analysis.ranks
     assert rank.rank == 0 and rank.device_type != "cpu", rank
-    assert rank.steps == 4, rank.steps  # 5 recorded, HTA's window drops the last
+    # 5 recorded; HTA's window drops the last when its kernels ran past the trace's end (the H100 runs of
+    # 2026-11-23), and keeps it when they finished inside it (the H200 of 2026-11-27)
+    assert rank.steps in (4, 5), rank.steps
     assert rank.kernel_span_ms is not None and rank.kernel_span_ms > 0
     assert rank.idle_pct + rank.compute_pct + rank.non_compute_pct == pytest.approx(100, abs=0.01)
     assert rank.top_kernels and any(k.type == "computation" for k in rank.top_kernels), rank.top_kernels
