@@ -317,6 +317,24 @@ def test_a_spent_budget_starts_no_round():
     assert calls == [] and result.best_apply == [] and "budget" in result.stopped
 
 
+def test_a_budget_spent_on_the_screen_starts_no_full_runs_and_says_what_they_would_measure():
+    calls: list[list[str]] = []
+    screen = model_runner(STEP_MS, calls)
+
+    def runner(variants, settings, **kwargs):
+        result = screen(variants, settings, **kwargs)
+        plan.started -= plan.budget_s  # the screen took the whole budget
+        return result
+
+    plan, _ = _plan(runner)
+    result = search(plan, diagnosis(0, 2, advice=f"{WORKERS}=1"))
+    assert len(calls) == 1 and len(calls[0]) > 2, calls  # the screen alone: no A/B of one run for the full runs
+    promoted = [t.candidate for t in result.trials if t.reason == "promoted"]
+    assert promoted and result.best_apply == [], result.trials
+    assert result.stopped.startswith("the budget of 600 s ran out before the full runs of "), result.stopped
+    assert all(candidate in result.stopped for candidate in promoted), result.stopped
+
+
 def test_candidates_follow_the_diagnosis():
     data_bound = candidates(diagnosis(0, 2), [], allow_numerics=False)
     assert f"{WORKERS}=2,loader.persistent_workers,host.threads=1" in data_bound

@@ -157,7 +157,7 @@ def run_ab(
                 break
             if budget_s is not None and order > 1 and elapsed * order / (order - 1) > budget_s:
                 stopped = (
-                    f"the budget of {budget_s:g} s ran out after {order - 1} of {total} runs ({elapsed:.0f} s); "
+                    f"the budget of {budget_s:.3g} s ran out after {order - 1} of {total} runs ({elapsed:.0f} s); "
                     "compared what ran."
                 )
                 break

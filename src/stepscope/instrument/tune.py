@@ -384,7 +384,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
             result.notes.append(f"round {result.rounds + 1}: no setting left to try on this diagnosis.")
             break
         if plan.left_s() <= 0:
-            result.stopped = f"the budget of {plan.budget_s:g} s ran out; the best so far is what was kept."
+            result.stopped = f"the budget of {plan.budget_s:.3g} s ran out; the best so far is what was kept."
             break
         result.rounds += 1
         round_ = result.rounds
@@ -409,6 +409,12 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
             for trial in screened:
                 if trial.candidate in promoted:
                     trial.reason = "promoted"
+            if plan.left_s() <= 0:  # an A/B started now would run one run and compare nothing
+                stopped = (
+                    f"the budget of {plan.budget_s:.3g} s ran out before the full runs of {', '.join(promoted)}; "
+                    "a longer --budget-s measures them."
+                )
+                break
             plan.log(f"stepscope tune: round {round_}: full runs of {', '.join(promoted)}")
             # Each of k settings compared at 1 - 0.05/k: the chance that any of them reads faster by luck stays 5%.
             family = dataclasses.replace(plan.settings, confidence=1 - (1 - plan.settings.confidence) / len(promoted))
@@ -458,7 +464,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
                 tried.discard(candidate)
         plan.log(f"stepscope tune: kept {winner.candidate} ({winner.speedup:.2f}x); the doctor runs again on it")
         if stopped or plan.left_s() <= 0:
-            result.stopped = stopped or f"the budget of {plan.budget_s:g} s ran out after round {round_}."
+            result.stopped = stopped or f"the budget of {plan.budget_s:.3g} s ran out after round {round_}."
             break
         summary = plan.diagnose(best)
     result.best_apply = best
