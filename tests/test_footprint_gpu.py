@@ -2,8 +2,8 @@
 end, nothing stepscope does makes the host wait for the GPU inside a measured step, its own cost is reported, and
 `tune --allow-numerics` keeps a numerics setting with the loss of the same steps side by side.
 
-Skipped without a GPU. tests/gpu_scripts/cuda_nosync.py never syncs; its GPU work (~10 ms a step of float32
-matmuls) dwarfs the host's (well under 1 ms), so a sync stepscope added would make host steps as long as the GPU's.
+Skipped without a GPU. tests/gpu_scripts/verify_matmul.py at batch 4096 never syncs; its GPU work (~14 ms a step of
+float32 matmuls on an H200) dwarfs the host's, so a sync stepscope added would make host steps as long as the GPU's.
 Figures: docs/gpu-validation.md.
 """
 
@@ -23,6 +23,7 @@ GPU_SCRIPTS = REPO / "tests" / "gpu_scripts"
 # 2 + 10 steps of ~40 queued kernels and events stay under CUDA's ~1,024-entry launch queue, past which a launch
 # blocks and the host would wait for the GPU through no fault of stepscope's.
 WARMUP, STEPS = 2, 10
+NO_SYNC = {"MATMUL_BATCH": "4096"}
 
 
 def _reference_ms_per_step(steps: int = 10) -> float:
@@ -49,7 +50,9 @@ def _reference_ms_per_step(steps: int = 10) -> float:
 
 
 def test_a_loop_that_never_syncs_is_timed_at_the_gpus_pace_and_its_loss_read_at_the_end(tmp_path):
-    r = stepscope_run(tmp_path, str(GPU_SCRIPTS / "cuda_nosync.py"), warmup=WARMUP, steps=STEPS, timeout=300)
+    r = stepscope_run(
+        tmp_path, str(GPU_SCRIPTS / "verify_matmul.py"), warmup=WARMUP, steps=STEPS, timeout=300, env=NO_SYNC
+    )
     assert r.returncode == 0, r.describe()
     s = r.summary
     print(r.stdout)
@@ -90,8 +93,8 @@ def test_own_cost_on_a_cuda_step(tmp_path):
 def test_no_sync_lands_inside_a_measured_step_in_a_profiler_trace(tmp_path):
     traces = tmp_path / "traces"
     r = stepscope_run(
-        tmp_path, "--trace", str(traces), "--trace-window", "1:1:3", str(GPU_SCRIPTS / "cuda_nosync.py"),
-        warmup=WARMUP, steps=STEPS, timeout=300,
+        tmp_path, "--trace", str(traces), "--trace-window", "1:1:3", str(GPU_SCRIPTS / "verify_matmul.py"),
+        warmup=WARMUP, steps=STEPS, timeout=300, env=NO_SYNC,
     )  # fmt: skip
     assert r.returncode == 0, r.describe()
     (trace,) = traces.iterdir()
