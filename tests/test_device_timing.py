@@ -429,3 +429,30 @@ def test_series_points_take_time_added_after_their_steps():
     series.add_late(4, 1_000_000)  # the pending step
     got = series.series()
     assert got.stride == 2 and got.step_ms == [approx(2), approx(1), approx(2)]
+
+
+def test_on_one_stream_a_step_is_complete_once_its_last_event_is(events):
+    # A stream runs its work in order: the last event of a step completing means every earlier one did. One query
+    # a step instead of two per phase; a source that used several streams (or cannot tell) is asked about each.
+    events.single_stream = True
+    timer = DeviceTimer(events)
+    for k in range(5):
+        start = timer.start()
+        events.run(1)
+        timer.stop("forward", start)
+        start = timer.start()
+        events.run(2)
+        timer.stop("backward", start)
+        timer.close_step(k)
+    events.complete_all()
+    events.queries = 0
+    done = timer.harvest()
+    assert [h.token for h in done] == [0, 1, 2, 3, 4] and events.queries == 5
+    assert done[0].seconds == {"forward": approx(0.001), "backward": approx(0.002)}
+
+    events.single_stream = False
+    for k in range(5):
+        timer_step(timer, events, k, 1)
+    events.complete_all()
+    events.queries = 0
+    assert len(timer.harvest()) == 5 and events.queries == 10

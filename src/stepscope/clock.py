@@ -40,6 +40,10 @@ class EventSource(Protocol):
 
     def synchronize(self) -> None: ...
 
+    # True while every event so far was recorded on one stream, whose work completes in order: a step is then
+    # complete once its last event is. An EventSource without it is asked about every event.
+    single_stream: bool
+
 
 class CudaEvents:
     """Timing events recorded on the current CUDA stream.
@@ -63,6 +67,10 @@ class CudaEvents:
         except AttributeError:
             self._fast = False
         self._streams: dict[Any, Any] = {}
+
+    @property
+    def single_stream(self) -> bool:
+        return self._fast and len(self._streams) <= 1  # the public path does not say which stream it used
 
     def new_event(self) -> DeviceEvent:
         return self._torch.cuda.Event(enable_timing=True)
@@ -204,9 +212,14 @@ class DeviceTimer:
         # Steps are harvested oldest first and the scan stops at the first step still in flight: a stream
         # completes its work in order, so this costs O(completed + 1) queries however far the host runs ahead.
         # A later step that completes first (another stream) simply waits for the older one; nothing is lost.
+        # On one stream the step's last event stands for all of them: one query a step, not two per phase.
+        single_stream = getattr(self._source, "single_stream", False)
         while pending:
             token, intervals, first, last = pending[0]
-            if not all(end.query() and start.query() for _, start, end in reversed(intervals)):
+            if single_stream and last is not None:
+                if not last.query():
+                    break
+            elif not all(end.query() and start.query() for _, start, end in reversed(intervals)):
                 break
             pending.popleft()
             # first and last are among the intervals' events (a phase left open at the step's close is the one
