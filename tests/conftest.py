@@ -22,6 +22,11 @@ from pathlib import Path
 
 import pytest
 
+# Every Python process the suite starts (and its xdist workers) runs tests/site/sitecustomize.py: torch without its
+# import of torch._dynamo (~1.5 s of CPU) in the many short training processes that never compile; see that file.
+HARNESS_SITE = Path(__file__).resolve().parent / "site"
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HARNESS_SITE), os.environ.get("PYTHONPATH", "")) if p)
+
 
 class FakeClock:
     """A monotonic clock in integer nanoseconds that moves only on ``advance(ms)``."""
@@ -118,16 +123,22 @@ def no_stepscope_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STEPSCOPE", raising=False)
 
 
+# SIGINT and SIGTERM as the test process started with them.
+STARTING_DISPOSITIONS = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
 @pytest.fixture(autouse=True)
 def signal_dispositions() -> Iterator[None]:
     """A test that runs stepscope's launcher in this process leaves SIGINT/SIGTERM ignored (what stepscope does
-    for its report, launch.ignore_stops): the next test's children would inherit that. Restore them, and the
-    launcher's record of a stop."""
+    for its report, launch.ignore_stops): the next test's children would inherit that (a `stepscope watch` started
+    then never saw its Ctrl-C). Set them as the process started, before the test (a module-scoped fixture may have
+    run the launcher) and after it, and clear the launcher's record of a stop."""
     from stepscope.instrument import launch
 
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum, handler in STARTING_DISPOSITIONS.items():
+        signal.signal(signum, handler)
     yield
-    for signum, handler in saved.items():
+    for signum, handler in STARTING_DISPOSITIONS.items():
         signal.signal(signum, handler)
     launch.STOP.signum = None
 

@@ -37,6 +37,13 @@ PHASES = ("data_wait", "h2d", "forward", "backward", "comms", "clip", "optimizer
 OWN_PHASE = "stepscope"  # stepscope's own time outside the phases (record.OWN_PHASE)
 
 
+# For a test of the process's own heap (page faults, the allocator): its Python processes start as a user's would,
+# without the suite's tests/site/sitecustomize.py, which spares most processes torch's import of torch._dynamo and
+# with it the heap that import leaves (under jemalloc, a churning script faulted 0.3 times a step after that import
+# and 2,050 times without it).
+AS_USERS_START = {"PYTHONPATH": str(SRC)}
+
+
 def run_env(extra: dict[str, str] | None = None, pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
     """The current environment with stepscope importable (then ``pythonpath``), one thread per process, and no
     STEPSCOPE/CI overrides."""

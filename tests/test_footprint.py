@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from run_helpers import run_env, script, stepscope_cmd
+from run_helpers import AS_USERS_START, run_env, script, stepscope_cmd
 from torch import nn
 
 from stepscope.instrument.hooks import install
@@ -31,7 +31,7 @@ from stepscope.summary import RunSummary
 
 
 def _states(command: list[str], tmp_path) -> dict[str, dict]:
-    env = run_env()
+    env = run_env(AS_USERS_START)  # the process as a user's starts: this is a test of its state
     env.pop("OMP_NUM_THREADS")  # the script sets it itself, after start-up
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -8,7 +8,7 @@ moved only by what ran before, it faults in hundreds of pages a step, and with t
 from __future__ import annotations
 
 import pytest
-from run_helpers import cli_here, script, stepscope_cmd, stepscope_run
+from run_helpers import AS_USERS_START, cli_here, script, stepscope_cmd, stepscope_run
 
 from stepscope.collectors.malloc import allocator, pooling_library, us_per_fault
 from stepscope.doctor.rules import Case, diagnose
@@ -65,7 +65,7 @@ def test_doctor_finds_the_churn_and_the_applied_thresholds_end_it(tmp_path):
     # the thresholds fixed glibc grows its heap by a 4 MB gradient now and then (1,024 faults at once); 115 measured
     # steps keep a few of those under a tenth of the churn.
     churn = (script("malloc_churn.py"), "--iters", "120")
-    doctor = stepscope_run(tmp_path / "doctor", *churn, warmup=5, steps=200, verb="doctor")
+    doctor = stepscope_run(tmp_path / "doctor", *churn, warmup=5, steps=200, verb="doctor", env=AS_USERS_START)
     assert doctor.returncode == 0, doctor.describe()
     malloc = doctor.summary.facts["malloc"]
     own = float(next(line for line in doctor.stdout.splitlines() if line.startswith("faults_per_step")).split()[1])
@@ -74,7 +74,7 @@ def test_doctor_finds_the_churn_and_the_applied_thresholds_end_it(tmp_path):
     assert malloc["us_per_fault"] > 0, malloc
     fix = next(f for f in doctor.summary.fixes if f.id == "host.malloc_churn")
     assert fix.apply == "malloc.mmap_threshold", fix
-    applied = stepscope_run(tmp_path / "applied", "--apply", fix.apply, *churn, warmup=5, steps=200)
+    applied = stepscope_run(tmp_path / "applied", "--apply", fix.apply, *churn, warmup=5, steps=200, env=AS_USERS_START)
     assert applied.returncode == 0, applied.describe()
     summary = applied.summary
     (entry,) = summary.applied
@@ -95,7 +95,7 @@ def test_the_preloaded_pooling_allocator_ends_the_churn(tmp_path):
     # The same churning script under `--apply malloc.allocator=jemalloc`: every process of the command starts on
     # jemalloc, which keeps freed blocks, so the training thread's page faults a step fall to a few.
     churn = (script("malloc_churn.py"), "--iters", "120")
-    r = stepscope_run(tmp_path, "--apply", "malloc.allocator=jemalloc", *churn, warmup=5, steps=200)
+    r = stepscope_run(tmp_path, "--apply", "malloc.allocator=jemalloc", *churn, warmup=5, steps=200, env=AS_USERS_START)
     assert r.returncode == 0, r.describe()
     (entry,) = r.summary.applied
     assert entry["applied"] and entry["where"] == "the process runs on jemalloc (LD_PRELOAD)", entry
