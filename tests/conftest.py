@@ -137,6 +137,9 @@ def signal_dispositions() -> Iterator[None]:
 
     for signum, handler in STARTING_DISPOSITIONS.items():
         signal.signal(signum, handler)
+    # and not blocked: a blocked signal stays blocked in every child too (a library may block one while it starts
+    # a helper process, and a thread of its may have been the one to run the test's code before)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTING_DISPOSITIONS)
     yield
     for signum, handler in STARTING_DISPOSITIONS.items():
         signal.signal(signum, handler)

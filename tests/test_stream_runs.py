@@ -147,11 +147,27 @@ def test_ctrl_c_ends_the_watch_not_the_job_and_prints_the_figures_so_far(tmp_pat
     # can still be importing when it ends, and an interpreter that is starting up is not yet the watch's to stop.
     first = watch.stderr.readline()
     assert first.startswith("stepscope: ") and watch.poll() is None, (first, watch.communicate())
+    signals = _signal_masks(watch.pid)  # a SIGINT it ignores or blocks from its start would never reach it
     watch.send_signal(signal.SIGINT)
-    stdout, stderr = watch.communicate(timeout=30)
+    try:
+        stdout, stderr = watch.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        watch.kill()
+        stdout, stderr = watch.communicate()
+        mine = _signal_masks(os.getpid())
+        raise AssertionError(f"the watch went on after Ctrl-C: its {signals}; this test's {mine}\n{stderr}") from None
     stderr = first + stderr
     assert watch.returncode == 130, stderr
     assert "Traceback" not in stderr, stderr
     assert "throughput: 250.00 steps/s, 2000.0 samples/s over 28 measured steps (warm-up 2)" in stdout, stdout
     assert "stopped by Ctrl-C; the job runs on, and these are its figures so far" in stdout, stdout
     stream.step(StepRecord(30, 4_000_000, {"other": 4_000_000}), measured=True)  # the job was not touched
+
+
+def _signal_masks(pid: int) -> str:
+    """A process's blocked, ignored and caught signals, as /proc shows them (hex masks; SIGINT is bit 1)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return ", ".join(line.strip() for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as error:
+        return f"no /proc status ({error.strerror})"
