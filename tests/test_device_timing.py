@@ -275,16 +275,19 @@ def test_host_only_timer_records_and_harvests_nothing():
     assert HOST_ONLY.drain() == []
 
 
+def timer_two_phases(timer, events, token, forward_ms, backward_ms):
+    """One step of a forward and a backward on the timer itself; returns the events it recorded."""
+    for phase, gpu_ms in (("forward", forward_ms), ("backward", backward_ms)):
+        start = timer.start()
+        events.run(gpu_ms)
+        timer.stop(phase, start)
+    timer.close_step(token)
+    return events.take_recorded()
+
+
 def test_device_timer_partial_step_waits_for_all_its_events(events):
     timer = DeviceTimer(events)
-    start = timer.start()
-    events.run(2)
-    timer.stop("forward", start)
-    start = timer.start()
-    events.run(5)
-    timer.stop("backward", start)
-    timer.close_step("s1")
-    recorded = events.take_recorded()
+    recorded = timer_two_phases(timer, events, "s1", 2, 5)
     events.complete(recorded[:2])  # forward done, backward still running
     assert timer.harvest() == []
     events.complete(recorded[2:])
@@ -437,13 +440,7 @@ def test_on_one_stream_a_step_is_complete_once_its_last_event_is(events):
     events.single_stream = True
     timer = DeviceTimer(events)
     for k in range(5):
-        start = timer.start()
-        events.run(1)
-        timer.stop("forward", start)
-        start = timer.start()
-        events.run(2)
-        timer.stop("backward", start)
-        timer.close_step(k)
+        timer_two_phases(timer, events, k, 1, 2)
     events.complete_all()
     events.queries = 0
     done = timer.harvest()
