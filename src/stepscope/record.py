@@ -286,6 +286,12 @@ class Recorder:
         self.recent = deque(maxlen=self.window)
 
     @property
+    def paced_s(self) -> float:
+        """The folded measured steps' time at their pace (s): the host's, plus the GPU's beyond it where the host
+        ran ahead (``gpu_excess_ns``)."""
+        return self.step_stats.total + self.gpu_excess_ns / 1e9
+
+    @property
     def measuring(self) -> bool:
         """True once warm-up is over: the next step closed will be measured."""
         return self.steps_seen >= self.warmup
@@ -424,7 +430,7 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
     # Where the host ran ahead of the GPU, the step's pace is the GPU's: the device share and the rates are over
     # the GPU-paced time (host time plus the GPU's time beyond it); the host phases keep their host shares.
     excess_s = recorder.gpu_excess_ns / 1e9  # 0 unless CUDA-timed
-    paced_s = total_s + excess_s
+    paced_s = recorder.paced_s
     for name in phase_order(list(recorder.phases)):
         track = recorder.phases[name]
         stats = PhaseStats(

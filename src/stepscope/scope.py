@@ -596,9 +596,7 @@ class Scope:
             self._fail(error)
         summary = summarize(self._recorder, self._timing_used)
         summary.meta = self._meta()
-        recorder = self._recorder
-        if summary.steps.measured:
-            summary.wall = self._wall(recorder.step_stats.total, recorder.gpu_excess_ns / 1e9)
+        summary.wall = self._wall() if summary.steps.measured else None
         add_wall_rates(summary)
         throughput = summary.throughput
         if self.flops_per_step and throughput.step_time_ms:
@@ -606,6 +604,7 @@ class Scope:
             throughput.tflops = self.flops_per_step / (throughput.step_time_ms / 1e3) / 1e12
             if self.peak_tflops:
                 throughput.mfu = throughput.tflops / self.peak_tflops
+        recorder = self._recorder
         try:
             summary.system = self._collectors.peek(
                 steps=recorder.measured + recorder.profiled, samples=recorder.samples or None
@@ -765,14 +764,14 @@ class Scope:
         else:
             window[0], window[1] = min(window[0], start_ns), max(window[1], end_ns)
 
-    def _wall(self, steps_s: float, gpu_excess_s: float) -> Wall | None:
+    def _wall(self) -> Wall | None:
         """Where the measured window's wall time went: training steps, validation passes, neither (s). Where the
-        host ran ahead of the GPU, the GPU's time beyond the host's (``gpu_excess_s``) is in the steps and the
-        window: the window ends when the GPU finished the last step, not when the host queued it."""
+        host ran ahead of the GPU, the GPU's time beyond the host's is in the steps and the window: the window ends
+        when the GPU finished the last step, not when the host queued it."""
         if self._window is None:
             return None
-        steps_s += gpu_excess_s
-        window_s = (self._window[1] - self._window[0]) / 1e9 + gpu_excess_s
+        steps_s = self._recorder.paced_s
+        window_s = (self._window[1] - self._window[0]) / 1e9 + self._recorder.gpu_excess_ns / 1e9
         eval_s = self._eval.durations.total
         between_s = window_s - steps_s - eval_s
         if -1e-6 < between_s < 0:  # float sums of integer nanoseconds
