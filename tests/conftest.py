@@ -130,9 +130,9 @@ STARTING_DISPOSITIONS = {signum: signal.getsignal(signum) for signum in (signal.
 @pytest.fixture(autouse=True)
 def signal_dispositions() -> Iterator[None]:
     """A test that runs stepscope's launcher in this process leaves SIGINT/SIGTERM ignored (what stepscope does
-    for its report, launch.ignore_stops): the next test's children would inherit that (a `stepscope watch` started
-    then never saw its Ctrl-C). Set them as the process started, before the test (a module-scoped fixture may have
-    run the launcher) and after it, and clear the launcher's record of a stop."""
+    for its report, launch.ignore_stops): the next test's children would inherit that. Set them as the process
+    started, before the test (a module-scoped fixture may have run the launcher) and after it, and clear the
+    launcher's record of a stop."""
     from stepscope.instrument import launch
 
     for signum, handler in STARTING_DISPOSITIONS.items():
