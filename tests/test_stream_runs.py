@@ -142,12 +142,17 @@ def test_ctrl_c_ends_the_watch_not_the_job_and_prints_the_figures_so_far(tmp_pat
     for index in range(30):
         stream.step(StepRecord(index, 4_000_000, {"forward": 1_000_000, "other": 3_000_000}, 8), measured=index >= 2)
     cmd = [*stepscope_cmd(None, warmup=None, steps=None, verb="watch"), str(tmp_path), "--progress", "plain"]
+    # Started as a terminal starts it, with SIGINT at its default. A suite started in the background (a shell's `&`)
+    # ignores SIGINT, every child inherits that, and Python and the watch honour it (as they should): Ctrl-C would
+    # never reach it. A handler set here is not inherited (exec resets it to the default); the autouse fixture
+    # restores this process's own after the test.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     watch = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Its first progress line says it follows the job. A fixed wait is not enough: on a loaded machine the watch
     # can still be importing when it ends, and an interpreter that is starting up is not yet the watch's to stop.
     first = watch.stderr.readline()
     assert first.startswith("stepscope: ") and watch.poll() is None, (first, watch.communicate())
-    signals = _signal_masks(watch.pid)  # a SIGINT it ignores or blocks from its start would never reach it
+    signals = _signal_masks(watch.pid)  # what it ignores, blocks or catches, for the message if it goes on
     watch.send_signal(signal.SIGINT)
     try:
         stdout, stderr = watch.communicate(timeout=30)
