@@ -20,8 +20,13 @@ $(VENV)/.base: pyproject.toml
 	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
+# The extras are ~150 packages: pip takes ~45 s to resolve and unpack them (twice that beside a busy loop per core), uv
+# ~5 s. torch stays the build .base installed (pinned: uv must never swap in another build of it); where uv cannot be
+# had, pip installs the same.
 $(VENV)/.installed: $(VENV)/.base
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	echo '$(TORCH_SPEC)' > $(VENV)/torch-pin.txt
+	($(PY) -m pip install -q --no-compile uv && $(VENV)/bin/uv pip install -q --python $(PY) -c $(VENV)/torch-pin.txt -e '.[dev]') \
+	  || $(PY) -m pip install -q --no-compile -e '.[dev]'
 	touch $@
 
 demo: $(VENV)/.base
