@@ -26,6 +26,11 @@ import pytest
 # import of torch._dynamo (~1.5 s of CPU) in the many short training processes that never compile; see that file.
 HARNESS_SITE = Path(__file__).resolve().parent / "site"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HARNESS_SITE), os.environ.get("PYTHONPATH", "")) if p)
+# torch's OpenMP threads spin after each parallel op before they sleep. The suite's training scripts mostly sleep
+# between small ops, and there the spinning kept a second core busy: dies.py's 5 ms sleeps took 6.9 s of CPU in 6.6 s
+# (1.7 s with the threads waiting passively). Passive waits change no op's result or its thread count; set before
+# any torch is loaded here (OpenMP reads it once) and inherited by every process the suite starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class FakeClock:
