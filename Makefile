@@ -35,14 +35,13 @@ demo: $(VENV)/.base
 doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
-# Two workers (the suite holds on a loaded machine), then the tests that want the machine to themselves. A module's
+# Two workers (the suite holds on a loaded machine). A module's
 # tests that share a module-scoped fixture stay on one worker (tests/conftest.py groups them), so the training run
 # they share starts once: most of the suite's time is training processes' start-up (torch and torch._dynamo, ~2.5 s
 # of CPU each), which is why tests of figures run their script inside the test process (tests/run_helpers.py,
 # cli_here). The other tests spread freely (whole files per worker left one worker alone on the slowest file).
 test: $(VENV)/.installed lint system-packages
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=15
-	$(PY) -m pytest -q -m serial --durations=5
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # The HTML report's render test loads the page in headless Chromium, and the allocator test preloads jemalloc. Install
 # Debian's packages of what is missing where apt-get can (CI runs as root on a fresh machine); where it cannot, the

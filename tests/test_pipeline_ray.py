@@ -22,10 +22,6 @@ from stepscope.summary import RunSummary
 
 ray = pytest.importorskip("ray")
 
-# A local Ray cluster starts a dozen processes and its tests time engine calls against 1 s windows: they run after
-# the parallel part of the suite, alone (`make test`), rather than beside another test worker's subprocesses.
-pytestmark = pytest.mark.serial
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pipeline" / "distill.py"
 
