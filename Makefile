@@ -35,11 +35,12 @@ demo: $(VENV)/.base
 doctor-demo: $(VENV)/.base
 	$(VENV)/bin/stepscope doctor --warmup 10 --steps 50 --json out/doctor-summary.json examples/plain_train.py
 
-# Two workers (the suite holds on a loaded machine). A module's
-# tests that share a module-scoped fixture stay on one worker (tests/conftest.py groups them), so the training run
-# they share starts once: most of the suite's time is training processes' start-up (torch and torch._dynamo, ~2.5 s
-# of CPU each), which is why tests of figures run their script inside the test process (tests/run_helpers.py,
-# cli_here). The other tests spread freely (whole files per worker left one worker alone on the slowest file).
+# Two workers: the suite holds on a loaded machine, and a third was no faster quiet and slower beside busy loops. A
+# module's tests that share a module-scoped fixture stay on one worker (tests/conftest.py groups them), so the
+# training run (or Ray) they share starts once: most of the suite's time is training processes' start-up (torch and
+# torch._dynamo, ~2.5 s of CPU each), which is why tests of figures run their script inside the test process
+# (tests/run_helpers.py, cli_here). The other tests spread freely (whole files per worker left one worker alone on
+# the slowest file).
 test: $(VENV)/.installed lint system-packages
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
