@@ -58,6 +58,14 @@ def run_env(extra: dict[str, str] | None = None, pythonpath: tuple[str, ...] = (
     return env
 
 
+def terminal_signals() -> None:
+    """``preexec_fn`` for a process started as from a terminal: SIGINT and SIGTERM at their default actions. A suite
+    started in the background of a script (a shell's `&`, as CI runners do) ignores SIGINT, and every process it
+    starts would inherit that, which Python and stepscope rightly honour: a test's Ctrl-C would never reach it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def stepscope_cmd(
     json_path: Path | None, *args: str, warmup: int | None = 3, steps: int | None = 20, verb: str = "run"
 ) -> list[str]:

@@ -14,18 +14,12 @@ from pathlib import Path
 import orjson
 import psutil
 import pytest
-from run_helpers import SCRIPTS, run_env
+from run_helpers import SCRIPTS, run_env, terminal_signals
 
 from stepscope.summary import RunSummary
 
 STUBBORN = SCRIPTS / "stubborn.py"
 SIGINT_BIT, SIGTERM_BIT = 1 << (signal.SIGINT - 1), 1 << (signal.SIGTERM - 1)
-
-
-def _default_signals() -> None:
-    # pytest (or xdist) may have started this test with SIGINT ignored: stepscope would rightly pass that on.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _start_ab(tmp_path: Path, *variants: str, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
@@ -40,7 +34,7 @@ def _start_ab(tmp_path: Path, *variants: str, extra: tuple[str, ...] = ()) -> su
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_default_signals,
+        preexec_fn=terminal_signals,
     )
 
 
@@ -142,7 +136,7 @@ def _doctor_verify(tmp_path: Path, steps: int, verb: str = "doctor") -> tuple[su
     cmd += [str(SCRIPTS / "verify_stubborn.py"), str(runs)]
     doctor = subprocess.Popen(
         cmd, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_default_signals,
+        preexec_fn=terminal_signals,
     )  # fmt: skip
     return doctor, runs
 

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,20 +57,6 @@ def test_reporter_needs_a_running_ray():
         RayReporter(PipelineMonitor(slots=1))
 
 
-@contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """``name=value`` in this process's environment for the block, and as it was after."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
 @pytest.fixture(scope="module")
 def local_ray():
     # The engines below are classes of this module, which Ray's workers import by name: put tests/ on their path.
@@ -79,7 +64,8 @@ def local_ray():
     # Ray runs its workers at nice 15, under the driver: beside a busy loop per core (nice 0) an actor then gets ~3%
     # of a core, and its first call took 47 s. Here they run at the tests' own priority. The raylet reads this from
     # its environment when ray.init starts it (and ray.init adds variables of its own, which stay).
-    with _environ("RAY_worker_niceness", "0"):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_worker_niceness", "0")
         ray.init(
             num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}}
         )

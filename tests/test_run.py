@@ -27,6 +27,7 @@ from run_helpers import (
     stepscope_cmd,
     stepscope_here,
     stepscope_run,
+    terminal_signals,
     torchrun,
 )
 
@@ -681,12 +682,6 @@ def test_checkpoint_period_must_be_a_finite_second_or_more(tmp_path, value):
     assert not r.json_path.exists()
 
 
-def _default_sigint() -> None:
-    """In the started process: SIGINT's default action. A test suite started in the background of a script (as CI
-    runners do) inherits SIGINT ignored, and so would every process it starts."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_process_group_signal_keeps_the_summary(tmp_path, signum):
     # `timeout`, schedulers and CI cancellation signal the whole process group, and often again: stepscope run and
@@ -704,7 +699,7 @@ def test_a_process_group_signal_keeps_the_summary(tmp_path, signum):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, led by stepscope run (what `set -m` gives a shell job)
-        preexec_fn=_default_sigint,
+        preexec_fn=terminal_signals,
     )
     signals = 0
     try:
@@ -755,7 +750,7 @@ def test_a_script_that_catches_ctrl_c_gets_the_next_one_as_python_gives_it(tmp_p
     cmd = stepscope_cmd(json_path, script("catches_interrupt.py"), warmup=2, steps=100_000)
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=run_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True, preexec_fn=_default_sigint,
+        text=True, start_new_session=True, preexec_fn=terminal_signals,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in proc.stdout], daemon=True).start()

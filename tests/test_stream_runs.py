@@ -12,7 +12,16 @@ import subprocess
 
 import psutil
 import pytest
-from run_helpers import cli_here, run_env, script, stepscope_cmd, stepscope_here, stepscope_run, torchrun
+from run_helpers import (
+    cli_here,
+    run_env,
+    script,
+    stepscope_cmd,
+    stepscope_here,
+    stepscope_run,
+    terminal_signals,
+    torchrun,
+)
 
 from stepscope.invariants import broken
 from stepscope.record import StepRecord
@@ -142,12 +151,9 @@ def test_ctrl_c_ends_the_watch_not_the_job_and_prints_the_figures_so_far(tmp_pat
     for index in range(30):
         stream.step(StepRecord(index, 4_000_000, {"forward": 1_000_000, "other": 3_000_000}, 8), measured=index >= 2)
     cmd = [*stepscope_cmd(None, warmup=None, steps=None, verb="watch"), str(tmp_path), "--progress", "plain"]
-    # Started as a terminal starts it, with SIGINT at its default. A suite started in the background (a shell's `&`)
-    # ignores SIGINT, every child inherits that, and Python and the watch honour it (as they should): Ctrl-C would
-    # never reach it. A handler set here is not inherited (exec resets it to the default); the autouse fixture
-    # restores this process's own after the test.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    watch = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(  # as from a terminal: a suite started in the background ignores SIGINT
+        cmd, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=terminal_signals
+    )
     # Its first progress line says it follows the job. A fixed wait is not enough: on a loaded machine the watch
     # can still be importing when it ends, and an interpreter that is starting up is not yet the watch's to stop.
     first = watch.stderr.readline()
