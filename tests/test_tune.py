@@ -21,7 +21,7 @@ from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, RunFigures, Set
 from stepscope.instrument.apply import parse_fixes
 from stepscope.instrument.launch import script_target
 from stepscope.instrument.tune import Search, candidates, keep_lines, neighbours, run_line, search, verify_neighbours
-from stepscope.summary import Fix, LoaderInfo, Meta, PhaseStats, RunSummary, Throughput
+from stepscope.summary import Fix, LoaderInfo, LossSeries, Meta, PhaseStats, RunSummary, Throughput
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKERS = "loader.num_workers"
@@ -44,11 +44,13 @@ def model_runner(
     ms=None,
     lucky=(),
     noisy=(),
+    losses=None,
 ):
     """An A/B runner for a machine whose step time per (workers, threads) is ``step_ms`` (12 ms elsewhere), less
     ``prefetch_ms`` with loader.prefetch and workers (or ``ms(apply)``), with 2% noise per step and 1% per run;
     the variants named in ``lucky`` read 30% faster in screening runs (2 a side) only, those in ``noisy`` vary 20%
-    from run to run in 3-run A/Bs. ``calls`` records the variants of each A/B."""
+    from run to run in 3-run A/Bs; ``losses(apply)``, when given, is each run's loss of its first 3 steps. ``calls``
+    records the variants of each A/B."""
     rng = random.Random(7)
 
     def table_ms(apply: list[dict]) -> float:
@@ -71,6 +73,7 @@ def model_runner(
                 order=order, exit_code=0, exit_reason="stopped", measured_steps=len(steps),
                 sec_per_step=statistics.fmean(steps), samples_per_s=8 / sec, peak_mem_mb=None, peak_mem_source=None,
                 per_rank_batch=8, global_batch=8, world_size=1, backend="single process", step_s=steps,
+                loss=None if losses is None else LossSeries([0, 1, 2], losses(variant.apply)),
             )  # fmt: skip
             runs[variant.name].append(figures)
         return ab_result(settings, [variant_result(v.name, v.command, v.env, runs[v.name]) for v in variants])
@@ -148,6 +151,18 @@ def test_workers_and_threads_are_found_together_where_neither_helps_alone():
     assert {"round", "stage", "candidate", "apply", "speedup", "ci_low", "ci_high", "kept", "reason"} <= set(
         data["trials"][0]
     )
+
+
+def test_one_kept_setting_shows_the_loss_of_its_own_ab_beside_the_baseline():
+    # One setting kept in round 1 is the headline (no last A/B): the loss comes from the A/B that kept it.
+    def losses(apply: list[dict]) -> list[float]:
+        return [2.0, 1.5, 1.2] if _settings_of(apply) == (0, 2) else [2.0, 1.5, 1.25]
+
+    plan, _ = _plan(model_runner(STEP_MS, [], losses=losses))
+    result = search(plan, diagnosis(0, 2))
+    assert len(result.best_apply) == 1 and result.loss is not None
+    assert result.loss.steps == [0, 1, 2] and result.loss.baseline == [2.0, 1.5, 1.2]
+    assert result.loss.tuned == [2.0, 1.5, 1.25] and result.loss.max_rel_diff == pytest.approx(0.05 / 1.2)
 
 
 def test_a_second_round_builds_on_the_first_and_the_headline_is_measured_against_the_baseline():

@@ -364,6 +364,8 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
     threads = summary.facts.get("threads", {}).get("torch_threads")
     tried = {f"host.threads={threads}"}  # the script's own thread count is the baseline's: measured already
     headline: Trial | None = None  # the kept trial of round 1, measured against the baseline itself
+    headline_loss: LossComparison | None = None  # the loss of its A/B's runs, side by side
+    measured_in: dict[int, ABResult] = {}  # the A/B each full-run trial comes from, by id()
     waiting: list[str] = []  # runners-up of a kept knob, tried again once another knob is kept
     retried: set[str] = set()  # the doctor's fixes measured a second time, on a later best
     screen = dataclasses.replace(plan.settings, repeats=SCREEN_REPEATS, steps=screen_steps(plan.settings, summary))
@@ -420,6 +422,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
             family = dataclasses.replace(plan.settings, confidence=1 - (1 - plan.settings.confidence) / len(promoted))
             confirm_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in promoted], family)
             batch_confirmed = [_trial(round_, "confirm", c, best, confirm_ab) for c in promoted]
+            measured_in.update((id(t), confirm_ab) for t in batch_confirmed)
             stopped = confirm_ab.stopped
             unsure = [t for t in batch_confirmed if t.verdict == NO_DIFFERENCE and (t.speedup or 0.0) > SCREEN_LEAD]
             if unsure and not any(t.verdict == FASTER for t in batch_confirmed) and not stopped and plan.left_s() > 0:
@@ -430,6 +433,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
                 more = dataclasses.replace(plan.settings, repeats=2 * plan.settings.repeats)
                 again_ab = plan.ab([base, plan.variant(lead.candidate, _combined(best, lead.candidate))], more)
                 batch_confirmed.append(_trial(round_, "more runs", lead.candidate, best, again_ab))
+                measured_in[id(batch_confirmed[-1])] = again_ab
                 stopped = again_ab.stopped
             confirmed += batch_confirmed
             faster = sorted((t for t in batch_confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
@@ -448,7 +452,9 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
             break
         winner = _simplest(faster)
         winner.kept, winner.reason = True, "kept"
-        headline = winner if not best else None
+        if not best:
+            headline = winner
+            headline_loss = _loss_of(measured_in[id(winner)], winner)
         best = _combined(best, winner.candidate)
         # What read faster but lost to the winner is tried again on top of it. One that sets the winner's own knob
         # (another worker count) just lost in the same setting: it is tried again once another knob has changed,
@@ -472,6 +478,7 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
     if headline is not None and headline.apply == best:  # one kept setting: its own A/B was against the baseline
         result.best_steps_per_s = headline.steps_per_s
         result.speedup, result.ci_low, result.ci_high = headline.speedup, headline.ci_low, headline.ci_high
+        result.loss = headline_loss
     elif best:
         _measure_best(plan, result)
     return result
@@ -498,6 +505,12 @@ def _measure_best(plan: Search, result: TuneResult) -> None:
         result.notes.append(f"the last A/B: {final.stopped}")
     if len(final.variants) == 2:
         result.loss = compare_loss(final.variants[0], final.variants[1], result.best_apply)
+
+
+def _loss_of(result: ABResult, trial: Trial) -> LossComparison | None:
+    """The loss side by side from the A/B that measured ``trial`` against the best so far (its first variant)."""
+    tuned = next((v for v in result.variants if v.name == trial.candidate), None)
+    return None if tuned is None or not result.variants else compare_loss(result.variants[0], tuned, trial.apply)
 
 
 NUMERICS = frozenset(rule.id for rule in CATALOGUE if rule.changes_numerics)
