@@ -234,3 +234,34 @@ def test_a_device_loss_is_summed_in_place_on_its_device_and_read_once():
     series = kept.series()
     assert series.steps == [0, 3] and series.values[0] == 1.75
     assert series.values[1] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_device_loss_buffer_is_made_in_the_warm_up_not_in_a_measured_step(tmp_path, monkeypatch):
+    # Making it (an allocation, a kernel's first launch) can wait for the GPU: on an H200 the first measured step
+    # of a loop that never syncs waited 33 ms there. A loss on the meta device stands for a GPU's here.
+    from stepscope.instrument.loss import LossBuffer
+
+    step_of: list[int] = []
+    made_in: list[int] = []
+
+    def made(self, loss):  # where the buffer is made; a CPU one, so that the summary can read it
+        made_in.append(step_of[-1])
+        sums = self._sums[loss.device] = torch.zeros(self.steps)
+        return sums
+
+    monkeypatch.setattr(LossBuffer, "_buffer", made)
+
+    def step(model, optimizer, i):
+        step_of.append(i)
+        if i < WARMUP:
+            (torch.ones((), device="meta", requires_grad=True) * 2).backward()
+        x, y = batch(i)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    summary, own = train(tmp_path, step)
+    assert made_in == [0]  # once, in the first warm-up step
+    assert summary.loss.values == pytest.approx(own[WARMUP : WARMUP + STEPS], rel=1e-6)

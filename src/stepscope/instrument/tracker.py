@@ -407,17 +407,19 @@ class Tracker:
 
     def _keep_loss(self, root: Any) -> None:
         """Keep a measured step's loss for the summary: the scalar a backward begins from, in ``LossBuffer`` (on its
-        device until the run ends, so that no step waits for it; a CPU loss at once)."""
+        device until the run ends, so that no step waits for it; a CPU loss at once). In the warm-up, a device loss
+        has its buffer made, which can wait for the device once."""
         recorder = self.scope._recorder
-        if not recorder.measuring:
-            return
         step = recorder.measured
         if step >= MAX_LOSS_STEPS:
             return
         if isinstance(root, (list, tuple)) and len(root) == 1:
             root = root[0]
         if isinstance(root, self._tensor) and root.numel() == 1:
-            self._losses.add(step, root)
+            if recorder.measuring:
+                self._losses.add(step, root)
+            else:
+                self._losses.prepare(root)
 
     @property
     def backward_open(self) -> bool:
