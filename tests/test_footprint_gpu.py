@@ -72,13 +72,14 @@ def test_a_loop_that_never_syncs_is_timed_at_the_gpus_pace_and_its_loss_read_at_
     assert s.loss is not None and s.loss.steps == list(range(STEPS)), s.loss
     assert all(v is not None and math.isfinite(v) and v > 0 for v in s.loss.values), s.loss
     assert s.loss.values[-1] < s.loss.values[0], s.loss  # the script's own losses, in step order
-    assert s.overhead is not None and s.overhead.share is not None, s.overhead
+    # 2.5% on the H200 once the loss buffer was made in the warm-up; 20% while its first add waited for the GPU
+    assert s.overhead is not None and s.overhead.share is not None and s.overhead.share < 0.05, s.overhead
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 27: on the H200 (2026-11-27) stepscope's hooks cost 422-446 us of a 4.6 ms CUDA step (113-130 us "
-    "on the CPU machine), cause not found yet; docs/gpu-validation.md",
+    reason="issue 27: on the H200 (2026-11-27) stepscope's hooks cost 351 us of a 3.7 ms CUDA step: ~150 us of event "
+    "records, their harvest and the loss buffer's add, the rest the handlers' Python; docs/gpu-validation.md",
 )
 def test_own_cost_on_a_cuda_step(tmp_path):
     r = stepscope_run(
