@@ -274,3 +274,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
         if shared:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``--dist loadgroup``, stop before the run if pytest-xdist cannot group tests with this pytest (it marks
+    a grouped test by rewriting ``Node._nodeid``; pytest 9.2 reads ``Node._id`` instead): each shared module
+    fixture (a training run, a server, the Ray cluster) would silently run once per worker."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    from _pytest.nodes import Node
+
+    probe = object.__new__(Node)
+    probe._nodeid = "probe@group"
+    try:
+        grouped = probe.nodeid == "probe@group"
+    except AttributeError:
+        grouped = False
+    if not grouped:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup cannot group tests with pytest {pytest.__version__}: install the "
+            "versions pyproject.toml's dev extra allows (make .venv/.installed)"
+        )
