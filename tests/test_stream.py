@@ -240,3 +240,33 @@ def test_a_merge_of_a_run_folder_adds_the_ranks_that_left_only_a_stream(tmp_path
     rebuilt = found.ranks[1]
     assert rebuilt.exit.reason == "running" and rebuilt.steps.measured == 18  # it may still run: not called dead
     assert rebuilt.notes[-1].startswith("from the step stream: the process wrote no final summary")
+
+
+def test_a_loop_the_gpu_lags_is_paced_in_its_stream_as_in_its_own_summary(tmp_path: Path) -> None:
+    # The host queues a 2 ms step; the GPU runs it in 10 ms, and its events complete two steps later. The process's
+    # summary paces the steps at the GPU's 100 steps/s; a reader of its stream (the live line, a killed process's
+    # summary) must too, not read the host's 500.
+    recorder = Recorder(warmup=2)
+    ProcessStream(recorder, EvalPasses(), tmp_path, lambda: {**META, "pid": 1, "hostname": "h"})
+    kept: list[StepRecord] = []
+    for i in range(40):
+        record = StepRecord(i, 2_000_000, {"forward": 1_500_000, "other": 500_000}, samples=8)
+        if recorder.add(record):
+            kept.append(record)
+        if len(kept) > 2:
+            recorder.add_device(kept[-3], {"forward": 0.01}, span_s=0.01)
+    for record in kept[-2:]:
+        recorder.add_device(record, {"forward": 0.01}, span_s=0.01)
+    want = summarize(recorder, "cuda")
+    assert want.throughput.steps_per_s == pytest.approx(100, rel=0.01)
+
+    (path,) = find_streams(tmp_path)
+    followed = Followed(StreamReader(path))
+    followed.poll()
+    got = followed.summary()
+    assert got.steps.measured == 38
+    assert got.throughput.steps_per_s == pytest.approx(want.throughput.steps_per_s, rel=1e-9)
+    assert got.throughput.samples_per_s == pytest.approx(want.throughput.samples_per_s, rel=1e-9)
+    assert got.series.step_ms == pytest.approx(want.series.step_ms, rel=1e-9)
+    assert got.wall.steps_s == pytest.approx(38 * 0.01, rel=0.01)
+    assert broken(got) == []

@@ -276,6 +276,7 @@ class Recorder:
     _unfolded_device: list[dict[str, float]] = field(default_factory=list)
     _held: list[tuple[StepRecord, bool]] = field(default_factory=list)  # (record, measured) awaiting release
     on_keep: Callable[[StepRecord, bool], None] = _not_streamed  # each step as it is kept: (record, measured)
+    on_paced: Callable[[StepRecord, int], None] = _not_streamed  # a step's GPU time beyond the host's, once known
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -355,11 +356,17 @@ class Recorder:
         excess_ns = max(0, self._gpu_done_ns - self._queued_ns) - lag_before
         if excess_ns:
             record.gpu_excess_ns = excess_ns
-            self.gpu_excess_ns += excess_ns
-            if record.series_at >= 0:
-                self.series.add_late(record.series_at, excess_ns)
+            self.add_excess(record.series_at, excess_ns)
+            self.on_paced(record, excess_ns)
         if len(self._unfolded_device) >= self.fold_every:
             self.fold()
+
+    def add_excess(self, series_at: int, excess_ns: int) -> None:
+        """A measured step's GPU time beyond the host's (``add_device``'s model, or read back from a stream), into
+        the window's total and the step's point of the series (``series_at``, -1: none)."""
+        self.gpu_excess_ns += excess_ns
+        if series_at >= 0:
+            self.series.add_late(series_at, excess_ns)
 
     def _track(self, phase: str) -> PhaseTrack:
         track = self.phases.get(phase)

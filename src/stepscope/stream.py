@@ -9,7 +9,10 @@ builds the summary of a process that left none from its stream, up to its last c
 
 The file (``stream-HOST-pidPID.steps``) is a header, then a ring of fixed-size records of int64 fields: kind
 (warm-up step, measured step, validation pass), the step's index, when it was written (CLOCK_MONOTONIC ns), its wall
-ns, its samples (-1: unknown), its layout, then the wall ns of each phase in the layout's order. A layout is the
+ns, its samples (-1: unknown), its layout, then the wall ns of each phase in the layout's order. A CUDA-timed step
+whose GPU work outlasted the host's (a loop that never waits for the GPU) gets a second record once its events
+complete, a few steps later: kind ``PACED``, the step's index, and in the wall field the GPU time it added beyond the
+host's (``Recorder.add_device``), so that a reader paces the steps as the process's own summary does. A layout is the
 tuple of phase names a step closed with (the dict's own order), numbered as first seen: a step is packed straight
 from its dict's values, and a loop has a handful of layouts. The header holds the total of records written, a flag
 the process sets once its final summary is written, and a JSON block: who the process is, and the layouts. The ring
@@ -46,7 +49,8 @@ from stepscope.record import (
 from stepscope.summary import Meta, RunSummary, Steps, Wall
 
 MAGIC = b"STEPSCP1"
-VERSION = 1
+VERSION = 2  # 2: PACED records (a reader of 1 would take them for steps)
+READS = (1, 2)  # the versions this reader folds (1 has no PACED records)
 HEADER_BYTES = 32768
 FIELDS = 6  # kind, index, at_ns, wall_ns, samples, layout
 SLOTS = 32  # phases a record holds at most
@@ -56,11 +60,12 @@ _COUNT = struct.Struct("<q")
 WRITTEN_AT, CLOSED_AT, META_AT = 16, 24, _HEAD.size
 _BY_LENGTH = [struct.Struct(f"<{FIELDS + n}q") for n in range(SLOTS + 1)]  # a record with n phases
 _WHOLE = _BY_LENGTH[SLOTS]
+MAX_UNPACED = 4096  # measured steps a reader remembers while their PACED records may still come
 CAPACITY = 8192  # records in the ring: 2.5 MB, minutes of steps for a reader that polls twice a second
 MAX_LAYOUTS = 100  # past this many, a step is written in the fixed layout (its custom phases into ``other``)
 SUFFIX = ".steps"
 
-WARMUP, MEASURED, EVAL_PASS = 0, 1, 2  # record kinds
+WARMUP, MEASURED, EVAL_PASS, PACED = 0, 1, 2, 3  # record kinds
 FIXED_LAYOUT = (*PHASES, OWN_PHASE)  # layout 0: the fallback
 
 
@@ -167,6 +172,12 @@ class StepStream:
         """One validation pass between steps: its wall ns, the phases inside it, its batches."""
         self._append(EVAL_PASS, 0, wall_ns, batches, phases_ns)
 
+    def paced(self, record: StepRecord, excess_ns: int) -> None:
+        """A kept step's GPU time beyond the host's (ns, negative as the GPU catches up), known once its events
+        completed."""
+        _BY_LENGTH[0].pack_into(self._map, self._at, PACED, record.index, monotonic_ns(), excess_ns, -1, 0)
+        self._advance()
+
     def close(self) -> None:
         """The process wrote its final summary: readers stop waiting for it."""
         self._counts[CLOSED_AT // 8] = 1
@@ -186,6 +197,9 @@ class NoStream:
         return None
 
     def eval_pass(self, wall_ns: int, phases_ns: dict[str, int], batches: int) -> None:
+        return None
+
+    def paced(self, record: StepRecord, excess_ns: int) -> None:
         return None
 
     def close(self) -> None:
@@ -219,6 +233,7 @@ class ProcessStream:
     def _arm(self) -> None:
         self._stream = NO_STREAM
         self._recorder.on_keep = self._open_then_step
+        self._recorder.on_paced = NO_STREAM.paced  # only a kept step, which opens the stream, is paced later
         self._passes.on_add = self._open_then_pass
 
     def _open(self) -> StepStream | NoStream:
@@ -234,6 +249,7 @@ class ProcessStream:
             stream = NO_STREAM
         self._stream = stream
         self._recorder.on_keep = stream.step
+        self._recorder.on_paced = stream.paced
         self._passes.on_add = stream.eval_pass
         return stream
 
@@ -273,7 +289,7 @@ class StreamReader:
         if len(self._map) < HEADER_BYTES:
             raise StreamError(f"{path} is not a step stream (shorter than its header)")
         magic, version, capacity, _, _, _ = _HEAD.unpack_from(self._map, 0)
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC or version not in READS:
             raise StreamError(f"{path} is not a step stream of this stepscope (version {VERSION})")
         self.capacity = capacity
         self.read = 0  # records consumed
@@ -319,6 +335,9 @@ class StreamReader:
         layouts = self.meta["layouts"]
         found = []
         for values in raw:
+            if values[0] == PACED:  # no phases: the slots after its fields hold whatever the ring held there
+                found.append(Row(PACED, values[1], values[2], values[3], None, {}))
+                continue
             names = layouts[values[5]]
             phases = dict(zip(names, values[FIELDS : FIELDS + len(names)], strict=True))
             if values[5] == 0:  # the fixed layout holds every phase: the step had those with time in them
@@ -339,6 +358,8 @@ class Followed:
     window_ns: list[int] | None = None  # [start, end] of the measured steps and passes
     # CLOCK_MONOTONIC ns of this host when it last saw a new record: a remote stream's own clock is not ours
     seen_new_ns: int = field(default_factory=time.monotonic_ns)
+    # the series point of each recent measured step, by index: where its PACED record's time goes
+    series_at: dict[int, int] = field(default_factory=dict)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -352,11 +373,16 @@ class Followed:
                 self.passes.add(row.wall_ns, row.phases_ns, batches=row.samples or 0)
                 if self.recorder.measured:
                     self._widen(row)
+            elif row.kind == PACED:
+                self.recorder.add_excess(self.series_at.pop(row.index, -1), row.wall_ns)
             else:
                 record = StepRecord(row.index, row.wall_ns, row.phases_ns, row.samples)
                 if row.kind == MEASURED:
                     self.recorder.add(record)
                     self._widen(row)
+                    self.series_at[row.index] = record.series_at
+                    if len(self.series_at) > MAX_UNPACED:
+                        del self.series_at[next(iter(self.series_at))]  # the oldest: a step never paced
                 else:
                     self.warmup_steps += 1
                     self.recorder.series.add(row.wall_ns)
@@ -385,8 +411,9 @@ class Followed:
         return self.warmup_steps + self.recorder.measured
 
     def summary(self) -> RunSummary:
-        """The summary the process would write now, from its stream alone: steps, phases, throughput, wall window,
-        validation passes and who it is (no system figures, no device time: those are the process's own)."""
+        """The summary the process would write now, from its stream alone: steps, phases, throughput (at the GPU's
+        pace where the process found its GPU behind the host), wall window, validation passes and who it is (no
+        system figures, no device time per phase: those are the process's own)."""
         summary = summarize(self.recorder, "host")
         summary.steps = Steps(warmup=self.warmup_steps, measured=self.recorder.measured)
         # The process's own Meta, as its header holds it; the figures here are its host time only.
@@ -395,7 +422,7 @@ class Followed:
         )
         if self.window_ns is not None and summary.steps.measured:
             window_s = (self.window_ns[1] - self.window_ns[0]) / 1e9
-            steps_s = self.recorder.step_stats.total
+            steps_s = self.recorder.paced_s
             eval_s = self.passes.durations.total
             window_s = max(window_s, steps_s + eval_s)  # records written late (a step held for a pass) end later
             summary.wall = Wall(
