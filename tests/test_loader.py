@@ -1111,3 +1111,11 @@ def test_one_waiting_worker_slower_than_none_is_still_doubled():
     busy = _waiting(2, 6.0)
     busy.workers_cpu_pct = 190.0  # computing workers: more need more cores, the cap holds
     assert loader_mod._widest([none, one, busy]) is None
+    # Beside busy loops computing workers got ~50% of a core each and waited for a CPU the rest: the sweep doubled
+    # them up to 32, whose warm-up outlasted the budget (CI, loaded). What they wanted, not what they got, counts.
+    contended = _waiting(2, 6.0)
+    contended.workers_cpu_pct, contended.workers_cpu_wait_pct = 99.2, 85.0
+    assert loader_mod._widest([none, one, contended]) is None
+    sleeping = _waiting(2, 6.0)
+    sleeping.workers_cpu_wait_pct = 12.0  # wake-ups waiting for a CPU on a loaded machine: they still mostly wait
+    assert loader_mod._widest([none, one, sleeping]) is sleeping

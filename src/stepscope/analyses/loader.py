@@ -138,6 +138,9 @@ class SweepTrial:
     startup_s: float | None = None
     peak_rss_mb: float | None = None
     workers_cpu_pct: float | None = None
+    # % of wall time the workers were runnable but waiting for a CPU (summed over them; None: not measured): CPU they
+    # wanted, as much as what they used
+    workers_cpu_wait_pct: float | None = None
     safe: bool = True  # peak RSS leaves memory to spare
     error: str | None = None
     incomplete: str | None = None  # why the measured window is partial (out of data, budget): listed, never best
@@ -562,6 +565,7 @@ def sweep_loader(
             host = collectors.stop().get("host", {}) if collectors is not None else {}
         trial.peak_rss_mb = host.get("peak_rss_mb")
         trial.workers_cpu_pct = host.get("workers_cpu_util_pct")
+        trial.workers_cpu_wait_pct = host.get("run_delay_workers_pct")
         available = host.get("mem_available_min_mb")
         if trial.peak_rss_mb is not None and available is not None:
             # The tree's RSS at its peak must fit in what was free plus what the tree already held.
@@ -610,8 +614,8 @@ def _incomplete(result: LoaderResult, batches: int, warmup: int, budget_s: float
 def _beyond_cores(widest: SweepTrial, tried: list[LoaderSettings]) -> list[LoaderSettings]:
     """More workers than the cap, when the most workers tried so far keep up with the fastest trial (within
     ``KEEP_UP``) and mostly wait (reads from disk or network, not CPU; ``widest``, see ``_widest``): double the
-    count, up to ``MAX_WORKERS``. On a machine busy with other work CPU-bound workers also use little CPU; more of
-    them then take a larger share of it, and each trial is measured, so the sweep still picks by throughput."""
+    count, up to ``MAX_WORKERS``. On a machine busy with other work, CPU-bound workers also use little CPU, but they
+    wait for a CPU the rest of the time (``_cpu_wanted_pct``): they are not doubled past the cores."""
     if 2 * widest.settings.num_workers > MAX_WORKERS:
         return []
     more = dataclasses.replace(widest.settings, num_workers=2 * widest.settings.num_workers)
@@ -629,17 +633,24 @@ def _widest(trials: list[SweepTrial]) -> SweepTrial | None:
     most = max(t.settings.num_workers for t in measured)
     widest = max((t for t in measured if t.settings.num_workers == most), key=_rate)
     keeps_up = _rate(widest) >= KEEP_UP * max(_rate(t) for t in measured)
-    waiting = widest.workers_cpu_pct < WAITING_WORKERS_CPU * 100 * most  # type: ignore[operator]
+    waiting = _cpu_wanted_pct(widest) < WAITING_WORKERS_CPU * 100 * most
     return widest if keeps_up and waiting else None
+
+
+def _cpu_wanted_pct(trial: SweepTrial) -> float:
+    """The CPU a trial's workers wanted, % of one core summed over them: what they used, and the time they were
+    runnable but waiting for a CPU. On a machine busy with other work a CPU-bound worker uses half a core and waits
+    for the other half: it computes, and more workers than cores take CPU from training."""
+    return (trial.workers_cpu_pct or 0.0) + (trial.workers_cpu_wait_pct or 0.0)
 
 
 def _beyond_note(widest: SweepTrial, cap: int, basis: str) -> str:
     """Why the sweep went past the cap: the workers of ``widest`` (see ``_widest``) mostly wait."""
-    per_worker = (widest.workers_cpu_pct or 0.0) / widest.settings.num_workers
+    per_worker = _cpu_wanted_pct(widest) / widest.settings.num_workers
     return (
         f"more workers than the cap of {cap} ({basis}, one kept for training) were tried: at "
-        f"{widest.settings.num_workers} worker(s) each used {per_worker:.0f}% of a core, so they mostly wait "
-        "(storage, network, sleep) and more of them overlap the waits"
+        f"{widest.settings.num_workers} worker(s) each used or waited for {per_worker:.0f}% of a core, so they "
+        "mostly wait (storage, network, sleep) and more of them overlap the waits"
     )
 
 
@@ -803,7 +814,7 @@ def combine_ranks(rank_results: dict[int, dict[str, Any]], train_samples_per_s: 
     if "sweep" in first:
         sweep = first["sweep"]
         keys = ("settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error")
-        later = ("incomplete", "main_ms", "train_samples_per_s")  # absent from summaries of older versions
+        later = ("incomplete", "main_ms", "train_samples_per_s", "workers_cpu_wait_pct")  # absent from older ones
         out["sweep"] = [{**{k: t[k] for k in keys}, **{k: t.get(k) for k in later}} for t in sweep["trials"]]
         out["trainer_ms_per_sample"] = sweep.get("trainer_ms_per_sample")
         best = sweep["best"]
