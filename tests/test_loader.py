@@ -47,7 +47,7 @@ from stepscope.analyses.loader import (
 # The fields of a sweep row in the JSON: a trial without its batches/s (samples/s says it).
 SWEEP_ROW = {
     "settings", "samples_per_s", "startup_s", "peak_rss_mb", "workers_cpu_pct", "safe", "error", "incomplete",
-    "main_ms", "train_samples_per_s",
+    "main_ms", "train_samples_per_s", "workers_cpu_wait_pct",
 }  # fmt: skip
 
 
