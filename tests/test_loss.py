@@ -49,16 +49,18 @@ def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
 
 
-def test_the_measured_steps_losses_are_the_loops_own(tmp_path):
-    def step(model, optimizer, i):
-        x, y = batch(i)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
+def plain_step(model, optimizer, i) -> float:
+    """One training step on batch ``i``; returns the loop's own reading of its loss."""
+    x, y = batch(i)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
 
-    summary, own = train(tmp_path, step)
+
+def test_the_measured_steps_losses_are_the_loops_own(tmp_path):
+    summary, own = train(tmp_path, plain_step)
     assert summary.steps.measured == STEPS
     assert summary.loss is not None
     assert summary.loss.steps == list(range(STEPS))  # the warm-up's are not kept
@@ -255,12 +257,7 @@ def test_a_device_loss_buffer_is_made_in_the_warm_up_not_in_a_measured_step(tmp_
         step_of.append(i)
         if i < WARMUP:
             (torch.ones((), device="meta", requires_grad=True) * 2).backward()
-        x, y = batch(i)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
+        return plain_step(model, optimizer, i)
 
     summary, own = train(tmp_path, step)
     assert made_in == [0]  # once, in the first warm-up step
