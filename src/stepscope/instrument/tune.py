@@ -365,7 +365,6 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
     tried = {f"host.threads={threads}"}  # the script's own thread count is the baseline's: measured already
     headline: Trial | None = None  # the kept trial of round 1, measured against the baseline itself
     headline_loss: LossComparison | None = None  # the loss of its A/B's runs, side by side
-    measured_in: dict[int, ABResult] = {}  # the A/B each full-run trial comes from, by id()
     waiting: list[str] = []  # runners-up of a kept knob, tried again once another knob is kept
     retried: set[str] = set()  # the doctor's fixes measured a second time, on a later best
     screen = dataclasses.replace(plan.settings, repeats=SCREEN_REPEATS, steps=screen_steps(plan.settings, summary))
@@ -422,7 +421,6 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
             family = dataclasses.replace(plan.settings, confidence=1 - (1 - plan.settings.confidence) / len(promoted))
             confirm_ab = plan.ab([base] + [plan.variant(c, _combined(best, c)) for c in promoted], family)
             batch_confirmed = [_trial(round_, "confirm", c, best, confirm_ab) for c in promoted]
-            measured_in.update((id(t), confirm_ab) for t in batch_confirmed)
             stopped = confirm_ab.stopped
             unsure = [t for t in batch_confirmed if t.verdict == NO_DIFFERENCE and (t.speedup or 0.0) > SCREEN_LEAD]
             if unsure and not any(t.verdict == FASTER for t in batch_confirmed) and not stopped and plan.left_s() > 0:
@@ -433,7 +431,6 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
                 more = dataclasses.replace(plan.settings, repeats=2 * plan.settings.repeats)
                 again_ab = plan.ab([base, plan.variant(lead.candidate, _combined(best, lead.candidate))], more)
                 batch_confirmed.append(_trial(round_, "more runs", lead.candidate, best, again_ab))
-                measured_in[id(batch_confirmed[-1])] = again_ab
                 stopped = again_ab.stopped
             confirmed += batch_confirmed
             faster = sorted((t for t in batch_confirmed if t.verdict == FASTER), key=lambda t: -(t.speedup or 0.0))
@@ -453,8 +450,8 @@ def search(plan: Search, summary: RunSummary) -> TuneResult:
         winner = _simplest(faster)
         winner.kept, winner.reason = True, "kept"
         if not best:
-            headline = winner
-            headline_loss = _loss_of(measured_in[id(winner)], winner)
+            headline = winner  # from the last batch's full runs: the doubled runs' A/B, or the batch's own
+            headline_loss = _loss_of(again_ab if winner.stage == "more runs" else confirm_ab, winner)
         best = _combined(best, winner.candidate)
         # What read faster but lost to the winner is tried again on top of it. One that sets the winner's own knob
         # (another worker count) just lost in the same setting: it is tried again once another knob has changed,
