@@ -88,6 +88,27 @@ def _train(tmp_path, during=None) -> RunSummary:
     return tracker.summary()
 
 
+def test_the_hooks_wrap_what_the_build_can_use_and_a_backward_once(tmp_path):
+    # Every .to() in the program passes through the copy hook (clipping makes one per gradient, ~20 a step here), for
+    # copies to a device that a CPU-only build cannot make: it has none. loss.backward() calls
+    # torch.autograd.backward, so one wrapper times both entry points and a backward pays for one event.
+    originals = {name: getattr(torch.Tensor, name) for name in ("to", "cuda", "backward")}
+    summary = _train(tmp_path, during=lambda i: None)
+    assert {name: getattr(torch.Tensor, name) for name in originals} == originals  # all put back
+    assert summary.counters["backward_calls"] == pytest.approx(1.0), summary.counters
+    assert summary.phases["backward"].mean_ms > 0
+    scope = enabled_scope(warmup=0, system_interval_s=None)
+    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=0, steps=STEPS))
+    undo = install(tracker)
+    try:
+        assert torch.Tensor.backward is originals["backward"]
+        copies_hooked = torch.Tensor.to is not originals["to"] and torch.Tensor.cuda is not originals["cuda"]
+        device_build = bool(torch.version.cuda or torch.version.hip or torch.backends.mps.is_built())
+        assert copies_hooked == tracker.watch_copies == device_build, (copies_hooked, device_build)
+    finally:
+        undo()
+
+
 def test_a_handler_that_takes_2_ms_is_2_ms_of_its_cost_a_step(tmp_path, monkeypatch):
     # The eval detector's training mark sleeps 2 ms inside each handler that calls it: stepscope's own time,
     # whatever phase the step's accounting gives it.

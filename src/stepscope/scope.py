@@ -361,7 +361,8 @@ class Scope:
             nothing. At 1 s the sampler thread costs ~0.1% of one core (docs/benchmarks.md).
         stack_sample_hz: also sample the training thread's stack this often while the system sampler runs, naming
             the source lines of ``other``, ``sync`` and ``data_wait`` time (``RunSummary.hotspots``); None (the
-            default) samples no stacks and costs nothing. ``DEFAULT_STACK_HZ`` (100) costs < 1% of a step.
+            default) samples no stacks and costs nothing. At ``DEFAULT_STACK_HZ`` (100) for 2 s, then about 20 Hz
+            (collectors/stacks.py), it costs ~0.5% of a step on a 2-core VM once slowed down (docs/benchmarks.md).
         profile: record a few steps with torch.profiler (`ProfileWindow`: schedule counted from the first measured
             step, one ``rank<R>.step<A>-<B>.pt.trace.json.gz`` per rank and window); phases become
             ``stepscope/<phase>`` ranges in the trace.
@@ -718,7 +719,7 @@ class Scope:
             self._device.discard_step()
             self._step_start_ns = self._clock()  # the profiler's step() (a trace export) is not the next step's time
             return
-        if self._settle_held(recurs=bool(side)):
+        if self._held is not None and self._settle_held(recurs=bool(side)):
             _absorb(record, side)  # this step's stretch recurs too: it stays in the step
             side = []
         if recorder.add(record, hold=bool(side) and recorder.measuring):

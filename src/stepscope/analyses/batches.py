@@ -13,8 +13,8 @@ def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
     Tensor = sys.modules["torch"].Tensor  # imported by the script by now; an import statement here costs µs a step
     if isinstance(batch, Tensor):
         return [batch]
-    if type(batch) in (tuple, list) and all(isinstance(item, Tensor) for item in batch):
-        return list(batch[:limit])  # (inputs, targets): most batches, without the walk
+    if type(batch) in (tuple, list) and all(map(isinstance, batch, (Tensor,) * len(batch))):
+        return list(batch[:limit])  # (inputs, targets): most batches, without the walk (nor a generator's frame)
     found: list[Any] = []
     todo = [(batch, 0)]
     while todo and len(found) < limit:

@@ -111,8 +111,12 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
         return copy
 
-    patch(torch.Tensor, "to", make_copy)
-    patch(torch.Tensor, "cuda", make_copy)
+    if builds_for_a_device(torch):
+        # A CPU-only build has no device to copy to, and every .to() in the program (clipping makes one per
+        # gradient) would pay for the wrapper: none is installed.
+        patch(torch.Tensor, "to", make_copy)
+        patch(torch.Tensor, "cuda", make_copy)
+        tracker.watch_copies = True
 
     # forward: the outermost module call ------------------------------------------------------------------------
     def make_call(original: Any) -> Any:
@@ -134,7 +138,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # backward ---------------------------------------------------------------------------------------------------
     def make_backward(original: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
-            root = args[0] if args else kwargs.get("tensors")  # Tensor.backward's self, autograd.backward's tensors
+            root = args[0] if args else kwargs.get("tensors")  # the tensors (Tensor.backward passes its self)
             if compiling() or not tracker.active or not tracker.backward_begin(root):
                 return original(*args, **kwargs)
             try:
@@ -144,7 +148,8 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
         return backward
 
-    patch(torch.Tensor, "backward", make_backward)
+    # Tensor.backward calls torch.autograd.backward (by attribute, at call time): one wrapper times both, and a
+    # loss.backward() pays for one event, not two.
     patch(torch.autograd, "backward", make_backward)
 
     # plain phases: clip, zero_grad ------------------------------------------------------------------------------
@@ -301,6 +306,18 @@ def install(tracker: Tracker) -> Callable[[], None]:
             undo.pop()()
 
     return uninstall
+
+
+def builds_for_a_device(torch: Any) -> bool:
+    """True unless this torch is a CPU-only build (no CUDA, ROCm, XPU or MPS support compiled in), read from its
+    build flags: asking for a device would initialise its driver in every process that imports torch."""
+    version = torch.version
+    return bool(
+        getattr(version, "cuda", None)
+        or getattr(version, "hip", None)
+        or getattr(version, "xpu", None)
+        or torch.backends.mps.is_built()
+    )
 
 
 COLLECTIVES = (

@@ -25,9 +25,9 @@ from stepscope.analyses.batches import batch_samples, batch_tensors
 from stepscope.analyses.params import NO_AUDIT, ModelAuditor, NoAudit
 from stepscope.clock import HOST_ONLY
 from stepscope.collectors.malloc import allocator, minor_faults, threshold_env, tuned_in_env, us_per_fault
-from stepscope.collectors.stacks import DEFAULT_STACK_HZ
 from stepscope.doctor import facts
 from stepscope.doctor.verdict import classify
+from stepscope.instrument import DEFAULT_STACK_HZ
 from stepscope.instrument.apply import Injector
 from stepscope.instrument.evaluation import EvalDetector
 from stepscope.instrument.loss import LossBuffer
@@ -52,6 +52,7 @@ COUNTERS = (
 )
 # The events that begin a step: once the requested steps are measured, the first of them ends the script.
 STOP_EVENTS = ("fetch_begin", "forward_begin", "backward_begin", "optimizer_step_begin")
+FLOPS_PENDING = ("waiting", "counting")  # the FLOP count's states that still need a call at each step's close
 PROBES = 8  # forward passes (and attention calls) probed for runtime facts at the start of the measured window
 
 
@@ -159,6 +160,9 @@ class Tracker:
         self._own_since: int | None = None  # during an event, outside every phase: when stepscope's own time began
         self.evals = EvalDetector()  # validation passes between steps: kept out of the step (see evaluation.py)
         self._fetch_loader: int | None = None
+        self._fetch_state: _LoaderState | None = None  # the open fetch's loader, and id() of what it fetches from
+        self._fetch_source = 0
+        self.watch_copies = False  # hooks.install: .to()/.cuda() are hooked, and look for the batch's tensors
         self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
         self._tensor: type = sys.modules["torch"].Tensor
         self._losses = LossBuffer()  # each measured step's loss, kept without a sync
@@ -237,11 +241,15 @@ class Tracker:
         if self._own_since is not None:
             self.scope._add_own(now - self._own_since)
             self._own_since = None
-        if self._stack:
+        stack = self._stack
+        if stack:
             self._close_segment(now)
-        self._stack.append(name)
+        stack.append(name)
         self._range_push(name)
-        self._open_segment(now)
+        self._segment_start = now
+        device = self.scope._device
+        # Waiting for data launches no GPU work: events around it would only measure an idle GPU.
+        self._segment_event = None if device is HOST_ONLY or name in HOST_PHASES else device.start()
         self.count_scalars = self.active and name not in QUIET_PHASES
 
     def _exit(self, name: str) -> None:
@@ -251,16 +259,20 @@ class Tracker:
         if name not in stack:
             return  # already closed at a step boundary
         now = self._clock()
-        self._close_segment(now)
+        self.scope._add(stack[-1], now - self._segment_start)
+        if self._segment_event is not None:
+            self.scope._device.stop(stack[-1], self._segment_event)
+            self._segment_event = None
         while True:
             self._range_pop()
             if stack.pop() == name:
                 break
         if stack:
             self._open_segment(now)
+            self.count_scalars = self.active and stack[-1] not in QUIET_PHASES
         else:
             self._own_since = now  # the rest of this event is stepscope's own time
-        self.count_scalars = self.active and not (stack and stack[-1] in QUIET_PHASES)
+            self.count_scalars = self.active
 
     def _open_segment(self, now: int) -> None:
         self._segment_start = now
@@ -289,13 +301,6 @@ class Tracker:
 
     def _count(self, counter: str) -> None:
         self.seen[counter] += 1
-
-    def _loader_key(self, source: Any) -> int | None:
-        """The index of the loader behind ``source`` (an iterator of it, or the loader), None for a new one."""
-        state = self._iterators.get(source) if source is not None else None
-        if state is None:
-            state = self._loaders.get(id(source))
-        return None if state is None else state.info.index
 
     def take_from_step(self, batches: int, samples: int) -> None:
         """Batches already counted in this step that a validation pass turned out to own."""
@@ -334,10 +339,16 @@ class Tracker:
     @_guarded
     def fetch_begin(self, source: Any = None) -> int:
         """A fetch from ``source`` (a loader iterator, or the loader for ``iter(loader)``) begins."""
-        self._close_backward_step()
-        self._fetch_loader = self._loader_key(source)
-        self.evals.fetch_begin(self, self._fetch_loader, self._clock())
+        if self._backward_pending:
+            self._close_backward_step()
+        state = self._iterators.get(source) if source is not None else None
+        if state is None:
+            state = self._loaders.get(id(source))
+        self._fetch_state, self._fetch_source = state, id(source)  # for fetch_end: found once a fetch
+        self._fetch_loader = key = None if state is None else state.info.index
         self.in_fetch = True
+        if self.evals.open:  # a fetch from a training loader ends an open validation pass, before it
+            self.evals.fetch_begin(self, key, self._clock())
         self._enter("data_wait")
         return self._clock()
 
@@ -346,16 +357,22 @@ class Tracker:
         self._exit("data_wait")
         self.in_fetch = False
         now = self._clock()
-        state = None if iterator is None else self._iterators.get(iterator)
+        if iterator is None:
+            state = None
+        elif id(iterator) == self._fetch_source:
+            state = self._fetch_state
+        else:  # a fetch inside another one's (a dataset that iterates a loader)
+            state = self._iterators.get(iterator)
         samples = 0
         if batch is not None:
             tensors = batch_tensors(batch)
-            self.batch_ids = frozenset(map(id, tensors))
+            if self.watch_copies:
+                self.batch_ids = frozenset(map(id, tensors))
             samples = batch_samples(tensors)
         in_pass = self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None)
         if not in_pass and batch is not None:
             self._step_samples += samples  # a validation pass's batches are not the step's
-            self._count("batches")
+            self.seen["batches"] += 1
         if state is not None:
             state.info.fetch_s += (now - t0) / 1e9
             if in_pass:
@@ -377,13 +394,14 @@ class Tracker:
         if self.in_forward or self.in_fetch or (self._stack and self._stack[-1] == "backward"):
             return False  # inside a forward already, a fetch, or backward's recomputation of checkpointed layers
         self.audit.see(module)
-        self._close_backward_step()
+        if self._backward_pending:
+            self._close_backward_step()
         evaluating = self.evals.forward(self, module, self._grad_enabled(), self._clock())
-        if self.probes_left and not evaluating:
-            self._probe(module, args, kwargs)
-        self.in_forward = True
         if not evaluating:
-            self._count("forward_calls")
+            if self.probes_left:
+                self._probe(module, args, kwargs)
+            self.seen["forward_calls"] += 1
+        self.in_forward = True
         self._enter("forward")
         return True
 
@@ -396,11 +414,12 @@ class Tracker:
     def backward_begin(self, root: Any = None) -> bool:
         """A backward pass begins from ``root`` (the tensor, or the sequence of tensors, it differentiates)."""
         if self._stack and self._stack[-1] == "backward":
-            return False  # Tensor.backward calling torch.autograd.backward
-        self._close_backward_step()
+            return False  # a backward run inside one (from an autograd hook): part of it
+        if self._backward_pending:
+            self._close_backward_step()
         self._keep_loss(root)
         self.evals.training(self, self._clock())
-        self._count("backward_calls")
+        self.seen["backward_calls"] += 1
         self.audit.begin_backward()
         self._enter("backward")
         return True
@@ -485,11 +504,12 @@ class Tracker:
     def optimizer_step_end(self, optimizer: Any) -> None:
         """After ``optimizer.step``: close the step when this optimizer ends a round."""
         self._exit("optimizer")
-        self._count("optimizer_steps")
+        self.seen["optimizer_steps"] += 1
         self.boundary = "optimizer.step"
         self._backward_pending = False
         key = id(optimizer)
-        self._see_optimizer(optimizer)
+        if key not in self._optimizers:
+            self._see_optimizer(optimizer)
         if key not in self._round:
             # A new optimizer joins the round after those seen so far: it is now the one that ends a round.
             self._round.add(key)
@@ -570,6 +590,8 @@ class Tracker:
     # -- steps ---------------------------------------------------------------------------------------------------
 
     def _close_backward_step(self) -> None:
+        """A script without an optimizer: its step closes where the next iteration's first event comes (callers
+        check ``_backward_pending`` first)."""
         if self._backward_pending:
             self._backward_pending = False
             self.close_step()
@@ -580,10 +602,11 @@ class Tracker:
         """End the current step; once the requested steps are measured, arm the stop at the next step's first
         event (``_stop_at_next_event``)."""
         scope = self.scope
+        recorder = scope._recorder
         open_phases = bool(self._stack)
         if open_phases:
             self._close_segment(self._clock())
-        warming_up = not scope._recorder.measuring
+        warming_up = recorder.steps_seen < recorder.warmup  # not yet measuring
         if warming_up:
             self._seen_at_measure = dict(self.seen)  # a warm-up step: measured counts start after it
         closed_before, self._seen_closed = self._seen_closed, dict(self.seen)
@@ -598,7 +621,7 @@ class Tracker:
         if scope._recorder.profiled != profiled:  # a step recorded by torch.profiler: left out of the counts too
             for name in COUNTERS:
                 self._seen_at_measure[name] += self._seen_closed[name] - closed_before[name]
-        if self._flops_state != "off":
+        if self._flops_state in FLOPS_PENDING:
             self._count_flops()
         if warming_up and scope._recorder.measuring:
             self._begin_measuring()
