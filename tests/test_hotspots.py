@@ -13,7 +13,8 @@ import torch
 from run_helpers import script, stepscope_here, stepscope_run
 
 from stepscope import Scope
-from stepscope.collectors.stacks import CodeKinds, StackSampler, frame_site, hotspots
+from stepscope.collectors import stacks
+from stepscope.collectors.stacks import CodeKinds, StackSampler, frame_site, hotspots, slowdown
 from stepscope.instrument.merge import merge
 from stepscope.report import html_sections
 from stepscope.report.terminal import hotspot_lines
@@ -78,6 +79,51 @@ def test_sampler_keeps_at_most_max_sites_and_counts_the_rest():
     forward = StackSampler(threading.get_ident(), lambda frame: "forward")
     forward.sample()
     assert forward.phase_samples == {"forward": 1} and forward.sites == {}  # forward's lines are not attributed
+
+
+def test_a_slowed_sampler_counts_each_sample_as_the_samples_it_skips():
+    sampler = StackSampler(threading.get_ident(), lambda frame: "other", rate_hz=100)
+    assert (slowdown(100), slowdown(250), slowdown(20), slowdown(5)) == (5, 12, 1, 1)
+    sampler.sample()
+    sampler.weight = slowdown(100)
+    sampler.sample()  # the same line as the one above, a line later: two sites
+    sampler.sample()
+    assert sorted(sampler.sites.values()) == [1, 5, 5] and sorted(sampler.observed.values()) == [1, 1, 1]
+    assert sampler.samples == 3 and sampler.phase_samples == {"other": 11}
+    out = hotspots(sampler.table(), {"other": _stats(1.0), "total": _stats(1.0)})
+    rows = out["phases"]["other"]
+    # shares of the weighted counts (time), samples as taken (what a rule's trust rests on)
+    assert sorted((r["share"], r["samples"]) for r in rows) == [(round(1 / 11, 4), 1), (round(5 / 11, 4), 1),
+                                                                  (round(5 / 11, 4), 1)]  # fmt: skip
+
+
+def _alternate(stop: threading.Event) -> None:
+    while not stop.is_set():
+        time.sleep(0.007)  # 70% of the time here
+        time.sleep(0.003)  # 30% here
+
+
+def test_the_sampler_slows_down_after_its_full_rate_window_and_still_measures_time(monkeypatch):
+    # A thread sleeps 7 ms on one line and 3 ms on the next, over and over. Sampled at 100 Hz for 0.3 s, then at
+    # 20 Hz with each sample counting 5: fewer samples taken, the same shares of the time.
+    monkeypatch.setattr(stacks, "FULL_RATE_S", 0.3)
+    stop = threading.Event()
+    thread = threading.Thread(target=_alternate, args=(stop,), daemon=True)
+    thread.start()
+    sampler = StackSampler(thread.ident, lambda frame: "other", rate_hz=100, kinds=CodeKinds(roots=()))
+    sampler.start()
+    time.sleep(2.3)
+    sampler.stop()
+    stop.set()
+    thread.join()
+    table = sampler.table()
+    assert sampler.weight == 5
+    # 0.3 s at 100 Hz, 2 s at 20 Hz: ~70 samples (a loaded machine's late wakes give fewer), not the ~230 of 100 Hz
+    assert 20 <= table["samples"] <= 110, table["samples"]
+    assert sum(table["sites"].values()) > 2 * sum(table["observed"].values())
+    first = min(line for (_, _, line, *_) in table["sites"])
+    seven = sum(n for (_, _, line, *_), n in table["sites"].items() if line == first)
+    assert 0.5 <= seven / sum(table["sites"].values()) <= 0.9, table["sites"]
 
 
 def _stats(share: float, step_ms: float = 100.0) -> PhaseStats:
@@ -189,6 +235,14 @@ def test_doctor_names_torch_save_at_its_line(tmp_path):
     first = next(iter(s.fixes), None)
     assert first is not None and first.id == "host.checkpoint_every_step", r.describe()
     assert "[torch.serialization.save]" in first.evidence[0]
+
+
+def test_stack_hz_0_samples_the_host_but_no_stacks(tmp_path):
+    # 100 steps of ~2 ms: the default rate takes ~20 stack samples here
+    r = stepscope_run(tmp_path, "--stack-hz", "0", script("hotspot_checkpoint.py"), "--mb", "1", warmup=2, steps=100)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert s.hotspots == {} and s.system.get("interval_s") == 1.0, r.describe()  # the host sampler was on
 
 
 def test_doctor_names_per_step_logging(tmp_path):

@@ -337,6 +337,7 @@ BAD_OPTIONS = [
     (["run", "--steps", "١٠"], "--steps: must be a whole number in digits 0-9, got '١٠'"),
     (["run", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
     (["run", "--sample-hz", "nan"], "--sample-hz: must be 0 (off) or in (0, 20] Hz"),
+    (["doctor", "--stack-hz", "2000"], "--stack-hz: must be 0 (off) or in (0, 1000] Hz, got 2000"),
     (["dump", "--interval-s", "0", "1"], "--interval-s: must be a finite number of seconds > 0, got '0'"),
     (["dump", "--interval-s", "-0.5", "1"], "--interval-s: must be a finite number of seconds > 0, got '-0.5'"),
 ]

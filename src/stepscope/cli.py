@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stepscope import __version__
-from stepscope.instrument import HANG_AFTER, MIN_HANG_S, PROGRESS_MODES
+from stepscope.instrument import DEFAULT_STACK_HZ, HANG_AFTER, MAX_STACK_HZ, MIN_HANG_S, PROGRESS_MODES
 from stepscope.summary import RunSummary, SummaryError
 
 
@@ -44,6 +44,7 @@ _VALUED = {
     "--batch-size",
     "--checkpoint-s",
     "--sample-hz",
+    "--stack-hz",
     "--batches",
     "--budget-s",
     "--device",
@@ -129,6 +130,7 @@ def _measure_config(args: argparse.Namespace, **extra: Any) -> Any:
         batch_size=args.batch_size,
         checkpoint_s=args.checkpoint_s,
         system_interval_s=_interval(args.sample_hz),
+        stack_sample_hz=args.stack_hz or None,
         sinks=specs,
         profile=_profile_window(args),
         nvtx=args.nvtx,
@@ -640,6 +642,14 @@ def _interval(sample_hz: float) -> float | None:
     return None if sample_hz == 0 else 1.0 / sample_hz
 
 
+def _stack_hz(text: str) -> float:
+    """An argparse type: stack samples per second, 0 (off) or up to MAX_STACK_HZ."""
+    value = float(text) if text.isascii() else math.nan
+    if not (value == 0 or 0 < value <= MAX_STACK_HZ):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or in (0, {MAX_STACK_HZ:g}] Hz, got {text}")
+    return value
+
+
 def _sample_hz(text: str) -> float:
     """An argparse type: a sampling rate in Hz, 0 (off) or up to 20."""
     value = float(text) if text.isascii() else math.nan
@@ -758,6 +768,13 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
         default=sample_hz,
         help=f"host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off "
         f"(default {sample_hz:g}; {sample_hz_why})",
+    )
+    verb.add_argument(
+        "--stack-hz",
+        type=_stack_hz,
+        default=DEFAULT_STACK_HZ,
+        help="training-thread stack samples per second while host sampling runs, naming the lines behind time no phase "
+        f"owns (hotspots); each takes the GIL from the training thread; 0 turns it off (default {DEFAULT_STACK_HZ:g})",
     )
     verb.add_argument(
         "--py-spy",

@@ -6,6 +6,13 @@ time has no name (``other``, ``sync``, a main-process ``data_wait``), walks the 
 user's own code: the line, and the library function it called (``torch.save`` at ``train.py:42``). Counts are kept
 per (phase, line, callee) in a bounded dict; ``hotspots()`` turns them into the summary's ``hotspots`` field.
 
+Each sample takes the GIL from the training thread: two thread switches, which on a small VM cost the training
+thread ~0.1-0.3 ms a sample, far more than the sample itself (~15 µs). So the sampler runs at ``rate_hz`` for its
+first ``FULL_RATE_S`` seconds, enough for a short run's hotspots, then at a ``slowdown``-th of it (about
+``SLOW_HZ``), each later sample counting ``slowdown`` times: the counts stay an even measure of time, and a long
+run pays a fifth of the wakes. A line's ``samples`` in the summary are the samples taken there (what a rule's
+trust rests on); its ``share`` is of the weighted counts.
+
 Limits: only the training thread is sampled; a C extension's time shows as the Python line that called it; a
 sample is taken when the sampler gets the GIL, so code that never releases it for long is seen at its switch
 points (every 5 ms by default) rather than anywhere.
@@ -21,18 +28,20 @@ import site
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+from stepscope.instrument import DEFAULT_STACK_HZ, MAX_STACK_HZ
 from stepscope.record import OTHER_PHASE, TOTAL
 from stepscope.summary import PhaseStats
 
 log = logging.getLogger("stepscope")
 
-DEFAULT_STACK_HZ = 100.0
-MAX_STACK_HZ = 1000.0
+FULL_RATE_S = 2.0  # seconds sampled at the full rate, then at about SLOW_HZ
+SLOW_HZ = 20.0
 ATTRIBUTED = frozenset({OTHER_PHASE, "sync", "data_wait"})  # phases whose host time has no name of its own
 MAX_SITES = 2048  # distinct (phase, line, callee) keys kept; later new ones are counted as unnamed
 TOP_LINES = 5  # lines kept per phase in the summary
@@ -43,6 +52,12 @@ USER, LIBRARY, LOADER, OWN = 0, 1, 2, 3  # the user's code, a library's, torch's
 # phase, file, line, function, callee (None: a C function, or nothing), inside the DataLoader
 Site = tuple[str, str, int, str, "str | None", bool]
 PhaseOf = Callable[[FrameType], "str | None"]
+
+
+def slowdown(rate_hz: float) -> int:
+    """How many times slower than ``rate_hz`` the sampler runs after its first ``FULL_RATE_S``: the whole number that
+    brings it to about ``SLOW_HZ`` (1: a rate at or below it stays)."""
+    return max(1, round(rate_hz / SLOW_HZ))
 
 
 def check_rate(rate_hz: float) -> float:
@@ -149,11 +164,14 @@ class StackSampler:
         self._phase_of = phase_of
         self._max_sites = max_sites
         self._kinds = kinds or CodeKinds()
-        self.sites: dict[Site, int] = {}
+        self.sites: dict[Site, int] = {}  # weighted counts (each sample counts ``weight``)
+        self.observed: dict[Site, int] = {}  # samples taken at each site
         self.phase_samples: dict[str, int] = {}
         self.unnamed: dict[str, int] = {}  # per phase: samples with no user frame, or past the key cap
         self.samples = 0
         self.notes: list[str] = []
+        # What a sample counts for: 1 at the full rate, ``slowdown(rate_hz)`` once the sampler slowed down
+        self.weight = 1
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -180,44 +198,53 @@ class StackSampler:
             phase = self._phase_of(frame)
             if phase is None:
                 return
+            weight = self.weight
             self.samples += 1
-            self.phase_samples[phase] = self.phase_samples.get(phase, 0) + 1
+            self.phase_samples[phase] = self.phase_samples.get(phase, 0) + weight
             if phase not in ATTRIBUTED:
                 return
             site = frame_site(frame, self._kinds)
         finally:
             del frame  # a frame kept alive keeps every local of the training step alive
         if site is None:
-            self.unnamed[phase] = self.unnamed.get(phase, 0) + 1
+            self.unnamed[phase] = self.unnamed.get(phase, 0) + weight
             return
         key = (phase, *site)
         sites = self.sites
         count = sites.get(key)
         if count is not None:
-            sites[key] = count + 1
+            sites[key] = count + weight
+            self.observed[key] += 1
         elif len(sites) < self._max_sites:
-            sites[key] = 1
+            sites[key] = weight
+            self.observed[key] = 1
         else:
-            self.unnamed[phase] = self.unnamed.get(phase, 0) + 1
+            self.unnamed[phase] = self.unnamed.get(phase, 0) + weight
 
     def table(self) -> dict[str, Any]:
-        """The raw counts so far (copies): rate_hz, samples, phase_samples, unnamed, sites, notes."""
+        """The counts so far (copies): rate_hz, samples (taken), phase_samples, unnamed and sites (weighted counts),
+        observed (samples taken at each site), notes."""
         return {
             "rate_hz": self.rate_hz,
             "samples": self.samples,
             "phase_samples": dict(self.phase_samples),
             "unnamed": dict(self.unnamed),
             "sites": dict(self.sites),
+            "observed": dict(self.observed),
             "notes": list(self.notes),
         }
 
     def _run(self) -> None:
         interval = 1 / self.rate_hz
         jitter = random.Random(self._thread_id)
+        slow_from = time.monotonic() + FULL_RATE_S
         try:
             # Jittered waits: a fixed period would alias with a periodic step and see the same instant every time.
             while not self._stop_event.wait(interval * (0.5 + jitter.random())):
                 self.sample()
+                if self.weight == 1 and time.monotonic() >= slow_from:
+                    self.weight = slowdown(self.rate_hz)
+                    interval *= self.weight
         except Exception as error:
             self.notes.append(f"the stack sampler stopped after an error ({type(error).__name__}: {error}).")
             log.warning("stepscope: the stack sampler stopped (%s); training continues.", error)
@@ -244,18 +271,22 @@ def hotspots(table: dict[str, Any], phases: dict[str, PhaseStats], top: int = TO
 
     Per attributed phase, the ``top`` lines by samples (rows under MIN_LINE_SHARE of the phase's samples left
     out): file (relative to the working directory when inside it), line, function, code (the source line),
-    calls (the library function it called, or null), share (of the phase's samples, 0..1), samples, ms_per_step
-    (share × the phase's measured time per step), and ``in_loader`` when the DataLoader ran that code. {} when
-    nothing was sampled."""
+    calls (the library function it called, or null), share (of the phase's weighted samples, 0..1), samples (taken
+    on that line), ms_per_step (share × the phase's measured time per step), and ``in_loader`` when the DataLoader
+    ran that code. {} when nothing was sampled."""
     if not table or not table.get("samples"):
         return {}
     phase_samples: dict[str, int] = table["phase_samples"]
+    observed: dict[Site, int] = table.get("observed") or table["sites"]  # a sampler that never slowed: the same
     lines: dict[tuple[str, str, int, str], dict[str | None, int]] = {}
+    taken: dict[tuple[str, str, int, str], int] = {}
     loader_lines: set[tuple[str, str, int, str]] = set()
-    for (phase, file, line, function, callee, in_loader), count in table["sites"].items():
+    for site, count in table["sites"].items():
+        phase, file, line, function, callee, in_loader = site
         key = (phase, file, line, function)
         callees = lines.setdefault(key, {})
         callees[callee] = callees.get(callee, 0) + count
+        taken[key] = taken.get(key, 0) + observed.get(site, count)
         if in_loader:
             loader_lines.add(key)
     total = phases.get(TOTAL)
@@ -277,7 +308,7 @@ def hotspots(table: dict[str, Any], phases: dict[str, PhaseStats], top: int = TO
             "code": linecache.getline(file, line).strip(),
             "calls": max(callees.items(), key=lambda item: item[1])[0],  # the line's most sampled callee
             "share": round(share, 4),
-            "samples": count,
+            "samples": taken[key],
             "ms_per_step": round(share * phase_ms, 3),
         }
         if key in loader_lines:

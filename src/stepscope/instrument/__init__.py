@@ -9,3 +9,7 @@ class LaunchError(Exception):
 HANG_AFTER = 20.0  # no step for this many median steps is a stall (``--hang-after``) ...
 MIN_HANG_S = 10.0  # ... and for at least this long: a pause of seconds (a checkpoint save) is not one
 PROGRESS_MODES = ("auto", "live", "plain", "none")
+
+# The stack sampler's rates (collectors/stacks.py), here so that the command line reads them without importing it.
+DEFAULT_STACK_HZ = 100.0
+MAX_STACK_HZ = 1000.0
