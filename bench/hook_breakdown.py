@@ -82,9 +82,11 @@ def install() -> None:
     """Wrap the tracker's handlers and the inner calls."""
     from stepscope.clock import CudaEvents, DeviceTimer
     from stepscope.instrument import tracker as tracker_module
+    from stepscope.instrument.evaluation import EvalDetector
     from stepscope.instrument.loss import LossBuffer
     from stepscope.record import Recorder
-    from stepscope.stream import ProcessStream
+    from stepscope.scope import Scope
+    from stepscope.stream import ProcessStream, StepStream
 
     cls = tracker_module.Tracker
     for name, value in list(vars(cls).items()):
@@ -94,9 +96,12 @@ def install() -> None:
         (CudaEvents, ("new_event", "record")),
         (DeviceTimer, ("harvest",)),
         (LossBuffer, ("add",)),
-        (Recorder, ("add", "add_device", "release")),
+        (Recorder, ("add", "add_device", "release", "fold")),
         (ProcessStream, ("step",)),
-        (cls, ("_probe", "_count_flops", "_close_segment", "_open_segment")),
+        (StepStream, ("step",)),
+        (Scope, ("_close_step", "_settle_held")),
+        (EvalDetector, ("fetch_begin", "fetch_end", "forward", "training", "step_closed")),
+        (cls, ("_probe", "_count_flops", "_close_segment", "_open_segment", "close_step", "_enter", "_exit")),
     ):
         for name in names:
             if hasattr(owner, name):

@@ -3,7 +3,9 @@
 Three figures for bench/workloads/cpu_train.py:
   paired   in one process, blocks of 10 steps alternating with stepscope run's hooks installed and removed (the
            very hooks and tracker of `stepscope run`, every step measured), timed with the thread's CPU clock;
-           median, p10 and min over blocks, with an A/A control (plain against plain): the primary figure.
+           median, p10 and min over blocks, with an A/A control (plain against plain): the primary figure. A third
+           kind of block has the same hooks on a tracker that stopped, so that every wrapper passes straight through:
+           what wrapping torch's entry points costs by itself.
   loop     the script's own timer over steps 50..N, run plainly and under `stepscope run --no-stop --warmup 0`;
   wall     (T_long - T_short) / (N_long - N_short) of whole-process wall times, which cancels start-up.
 Both process-level figures come with an A/A control (plain against plain): on a shared 2-core VM it moves by
@@ -66,16 +68,21 @@ def paired(blocks: int, block_steps: int, width: int) -> dict[str, dict[str, flo
     from stepscope.instrument.tracker import RunConfig, Tracker
     from stepscope.scope import enabled_scope
 
-    loader, model, criterion, optimizer = make(steps=blocks * block_steps * 3 + 100, width=width)
+    loader, model, criterion, optimizer = make(steps=blocks * block_steps * 4 + 100, width=width)
     batches = iter(loader)
     for _ in range(50):
         step(next(batches), model, criterion, optimizer)
-    per_block: dict[str, list[float]] = {"plain": [], "stepscope": [], "plain_again": []}
+    per_block: dict[str, list[float]] = {"plain": [], "stepscope": [], "pass_through": [], "plain_again": []}
     tracker = Tracker(enabled_scope(warmup=0), RunConfig(out_dir="", stop=False))
+    # The same hooks on a tracker that stopped: every wrapper passes straight through (what wrapping torch's entry
+    # points costs by itself, the floor of this design)
+    stopped = Tracker(enabled_scope(warmup=0, system_interval_s=None), RunConfig(out_dir="", stop=False))
+    stopped.stop_tracking()
+    hooked = {"stepscope": tracker, "pass_through": stopped}
     for block in range(blocks):
         order = list(per_block)
         for variant in order if block % 2 == 0 else order[::-1]:
-            uninstall = install(tracker) if variant == "stepscope" else None
+            uninstall = install(hooked[variant]) if variant in hooked else None
             used = optimizer
             if uninstall is not None:
                 # stepscope hooks an optimizer's step when it is built, as under `stepscope run`: build this block's
@@ -117,13 +124,16 @@ def main() -> None:
 
     blocks = paired(args.blocks, 10, args.width)
     paired_pct = {
-        stat: {v: 100 * (blocks[v][stat] / blocks["plain"][stat] - 1) for v in ("stepscope", "plain_again")}
+        stat: {
+            v: 100 * (blocks[v][stat] / blocks["plain"][stat] - 1) for v in ("stepscope", "pass_through", "plain_again")
+        }
         for stat in ("median", "p10", "min")
     }
     for stat, pct in paired_pct.items():
         print(
             f"paired {stat:6s}: plain {blocks['plain'][stat]:.3f} ms/step, stepscope {blocks['stepscope'][stat]:.3f}"
-            f" ms/step: {pct['stepscope']:+.2f}% (A/A control {pct['plain_again']:+.2f}%)"
+            f" ms/step: {pct['stepscope']:+.2f}%; wrappers passing through {pct['pass_through']:+.2f}% (A/A control "
+            f"{pct['plain_again']:+.2f}%)"
         )
     print(f"  {'PASS' if paired_pct['median']['stepscope'] <= 3 else 'MISS'}  <= 3% per step (paired median)")
     paired_us = (blocks["stepscope"]["median"] - blocks["plain"]["median"]) * 1e3
