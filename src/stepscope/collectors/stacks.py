@@ -281,12 +281,12 @@ def hotspots(table: dict[str, Any], phases: dict[str, PhaseStats], top: int = TO
     lines: dict[tuple[str, str, int, str], dict[str | None, int]] = {}
     taken: dict[tuple[str, str, int, str], int] = {}
     loader_lines: set[tuple[str, str, int, str]] = set()
-    for site, count in table["sites"].items():
-        phase, file, line, function, callee, in_loader = site
+    for sampled, count in table["sites"].items():
+        phase, file, line, function, callee, in_loader = sampled
         key = (phase, file, line, function)
         callees = lines.setdefault(key, {})
         callees[callee] = callees.get(callee, 0) + count
-        taken[key] = taken.get(key, 0) + observed.get(site, count)
+        taken[key] = taken.get(key, 0) + observed.get(sampled, count)
         if in_loader:
             loader_lines.add(key)
     total = phases.get(TOTAL)
