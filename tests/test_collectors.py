@@ -564,6 +564,30 @@ def test_stop_joins_the_thread_and_is_idempotent():
     assert first["samples"] == first["counting"]["reads"] == reads >= 4
 
 
+def test_a_stop_from_inside_a_sample_ends_the_sampler_without_an_error(caplog):
+    # A Scope dropped without close() is collected by whichever thread's allocation runs the garbage collector, and
+    # its finalizer stops its sampler: on the sampler's own thread, inside a sample, it once raised "cannot join
+    # current thread" and lost the figures.
+    stopped: list[dict] = []
+
+    class StoppedInside(Counting):
+        def read(self, now_s: float) -> dict[str, float]:
+            readings = super().read(now_s)
+            if self.reads == 3:
+                stopped.append(handle.stop(steps=3))
+            return readings
+
+    source = StoppedInside()
+    with caplog.at_level("WARNING", logger="stepscope"):
+        handle = Collectors([source], interval_s=0.05).start()
+        thread = handle._thread
+        thread.join(5)
+    assert not thread.is_alive() and source.closed and source.reads == 3
+    assert stopped and stopped[0]["samples"] == 2 and not stopped[0]["notes"], stopped  # the figures before it
+    assert handle.stop(steps=3) == stopped[0]
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.records
+
+
 def test_peek_reports_so_far_and_sampling_goes_on():
     clock = FakeTime()
     collectors = Collectors([Counting()], clock=clock)

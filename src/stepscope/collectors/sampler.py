@@ -209,7 +209,10 @@ class Collectors:
                 now = self._clock()
                 if next_t < now:  # fell behind (a suspended process, a slow driver call): do not catch up in a burst
                     next_t = now + self._interval_at(now)
-            if self._clock() - self._t_last >= interval / 4:
+            if self._frozen is not None:  # stopped from inside a sample (_finish): nobody else closes the sources
+                for source in self._sources:
+                    _close(source)
+            elif self._clock() - self._t_last >= interval / 4:
                 self.sample()  # the last partial interval: short runs would otherwise lose most of their figures
         except Exception as error:
             self._notes.append(f"the sampler stopped after an error ({type(error).__name__}: {error}).")
@@ -228,6 +231,12 @@ class Collectors:
         self._stop_event.set()
         self._stacks.stop()
         thread = self._thread
+        if thread is threading.current_thread():
+            # Stopped from inside a sample: a Scope dropped without close() is collected by whichever thread's
+            # allocation runs the garbage collector, and its finalizer stops its sampler, here. The thread ends once
+            # this sample returns, and closes the sources itself (_run).
+            self._frozen = self._take()
+            return
         if thread is not None:
             thread.join(self.interval_s + STOP_WAIT_S)
             if thread.is_alive():
