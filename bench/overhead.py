@@ -181,15 +181,25 @@ def main() -> None:
 
     runs: dict[str, list[float]] = {k: [] for k in ("floor", "disabled", "enabled", "enabled_floor")}
     step_runs: dict[str, list[float]] = {k: [] for k in ("empty_off", "empty_on")}
-    mlp: dict[str, list[float]] = {"off": [], "on": [], "off_again": []}
+    mlp: dict[str, list[float]] = {"off": [], "on": [], "on_no_sampler": [], "off_again": []}
     train_step_times_s(disabled, 20, model, opt, batches)  # warm torch up
     # Short interleaved blocks in alternating order and the median of per-step times: drift and scheduler spikes
     # hit every variant alike and do not move a median. "off_again" is an A/A control: its ratio to "off" is the
-    # noise floor of this comparison on this machine.
-    variants = [("off", lambda: disabled), ("on", make_enabled), ("off_again", lambda: disabled)]
+    # noise floor of this comparison on this machine. Each enabled variant is one Scope for the whole run, as a
+    # script has (a Scope per block would start a sampler thread every few steps): the default 1 Hz system sampler,
+    # and none. The sampler's thread lives through every block, so its cost falls on all variants alike here
+    # (bench/collectors_overhead.py measures it).
+    scopes = {
+        "off": disabled,
+        "on": make_enabled(),
+        "on_no_sampler": Scope(enabled=True, warmup=0, timing="host", system_interval_s=None),
+        "off_again": disabled,
+    }
+    variants = list(scopes)
     for block in range(args.blocks):
-        for name, make in variants if block % 2 == 0 else variants[::-1]:
-            mlp[name] += train_step_times_s(make(), 10, model, opt, batches)
+        for name in variants if block % 2 == 0 else variants[::-1]:
+            mlp[name] += train_step_times_s(scopes[name], 10, model, opt, batches)
+    scopes["on"].close()
     for _ in range(args.repeats):
         runs["floor"].append(per_phase_ns(_Floor(), args.phases))
         runs["disabled"].append(per_phase_ns(disabled, args.phases))
@@ -202,6 +212,7 @@ def main() -> None:
     smed = {k: statistics.median(v) for k, v in step_runs.items()}
     # Ratios per repeat (paired, same moment), then the median: robust to drift between repeats.
     mlp_off, mlp_on = statistics.median(mlp["off"]), statistics.median(mlp["on"])
+    mlp_on_no_sampler = statistics.median(mlp["on_no_sampler"])
     mlp_ratio = mlp_on / mlp_off
     mlp_aa_ratio = statistics.median(mlp["off_again"]) / mlp_off
     disabled_ratio = statistics.median(a / b for a, b in zip(runs["disabled"], runs["floor"], strict=True))
@@ -228,6 +239,9 @@ def main() -> None:
         "mlp_step_ms_enabled": mlp_on * 1e3,
         "mlp_steps_per_variant": len(mlp["off"]),
         "mlp_step_ratio": mlp_ratio,
+        "mlp_step_ms_enabled_no_sampler": mlp_on_no_sampler * 1e3,
+        "mlp_step_added_us": (mlp_on - mlp_off) * 1e6,
+        "mlp_step_added_us_no_sampler": (mlp_on_no_sampler - mlp_off) * 1e6,
         "mlp_step_aa_ratio": mlp_aa_ratio,
         "mlp_overhead_pct_from_excess": mlp_overhead_pct,
     }
@@ -246,8 +260,10 @@ def main() -> None:
     )
     print(
         f"MLP step (median of {len(mlp['off'])} per variant): {mlp_off * 1e3:.3f} ms off, "
-        f"{mlp_on * 1e3:.3f} ms on, ratio {mlp_ratio:.4f} (A/A control {mlp_aa_ratio:.4f}); "
-        f"added cost {empty_excess_us:.2f} us/step = {mlp_overhead_pct:.2f}% of the step"
+        f"{mlp_on * 1e3:.3f} ms on ({(mlp_on - mlp_off) * 1e6:+.1f} us), {mlp_on_no_sampler * 1e3:.3f} ms on without "
+        f"the sampler ({(mlp_on_no_sampler - mlp_off) * 1e6:+.1f} us), ratio {mlp_ratio:.4f} (A/A control "
+        f"{mlp_aa_ratio:.4f}, {(mlp_aa_ratio - 1) * mlp_off * 1e6:+.1f} us); "
+        f"added cost in the empty loop {empty_excess_us:.2f} us/step = {mlp_overhead_pct:.2f}% of the step"
     )
     if torch.cuda.is_available():
         gpu = cuda_figures(args.repeats, 20_000, args.steps)
