@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -523,27 +524,35 @@ def test_real_ab_finds_a_quartered_sleep(tmp_path):
     # 10 ms vs 40 ms of sleep per step, the variants set by environment (the A/A: the starved loader's test). Beside
     # busy loops the step's own work and each wake-up stretch both sides alike: a 10 vs 20 ms pair once read 1.34
     # (0.75-2.38) over 4 runs a side, ~19 ms of its steps being the machine's; 30 ms apart stays a clear gain.
+    logs = {name: tmp_path / f"{name}.slept" for name in ("slow", "fast")}
     done, data = _ab(
         tmp_path, "--repeats", "4", "--steps", "10", "--warmup", "2", "--fail-if-slower", "5",
-        "--variant", f"slow=AB_SLEEP_MS=40 python {SLEEPER}",
-        "--variant", f"fast=AB_SLEEP_MS=10 python {SLEEPER}",
+        "--variant", f"slow=AB_SLEEP_MS=40 AB_SLEEP_LOG={logs['slow']} python {SLEEPER}",
+        "--variant", f"fast=AB_SLEEP_MS=10 AB_SLEEP_LOG={logs['fast']} python {SLEEPER}",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     fast = data["comparison"]
     assert (fast["verdict"], fast["faster"]) == (FASTER, "fast"), fast
-    # The injected 30 ms is the difference of the variants' steps, whatever the step's own work costs beside the
-    # sleep: a loaded machine stretches that work in both alike (a fresh clone's suite once measured 30 vs 20 ms for
-    # 20 vs 10 ms of sleep). The speedup is the ratio of those steps. (The interval's width is not asserted: a few
-    # runs per variant on a loaded machine spread it widely; "faster" already says it lies above 1.)
+    # The difference of the variants' steps is what their sleeps took apart, whatever the step's own work costs
+    # beside them: a loaded machine stretches that work in both alike (a fresh clone's suite once measured 30 vs 20 ms
+    # for 20 vs 10 ms of sleep), but stretches a sleep too (40 ms once took 46 beside busy loops), so the sleeps are
+    # timed in the runs themselves: each run's 10 measured steps (after 2 of warm-up), the median run as the A/B's.
+    # The speedup is the ratio of those steps. (The interval's width is not asserted: a few runs per variant on a
+    # loaded machine spread it widely; "faster" already says it lies above 1.)
+    slept = {
+        name: statistics.median(statistics.fmean(orjson.loads(line)[2:12]) for line in log.read_text().splitlines())
+        for name, log in logs.items()
+    }
+    assert slept["slow"] >= 0.040 and slept["fast"] >= 0.010, slept
     slow_s, fast_s = (variant["sec_per_step"] for variant in data["variants"])
-    assert slow_s - fast_s == pytest.approx(0.030, abs=0.004), (slow_s, fast_s)
+    assert slow_s - fast_s == pytest.approx(slept["slow"] - slept["fast"], abs=0.004), (slow_s, fast_s, slept)
     assert fast["speedup"] == pytest.approx(slow_s / fast_s, rel=0.1), (fast, slow_s, fast_s)
     for variant in data["variants"]:
         assert variant["usable_runs"] == 4
         assert variant["per_rank_batch"] == 8 and variant["global_batch"] == 8
         assert variant["backend"] == "single process" and variant["peak_mem_source"] == "host rss"
         assert all(run["measured_steps"] == 10 and run["exit_code"] == 0 for run in variant["runs"])
-    assert data["variants"][1]["env"] == {"AB_SLEEP_MS": "10"}
+    assert data["variants"][1]["env"] == {"AB_SLEEP_MS": "10", "AB_SLEEP_LOG": str(logs["fast"])}
     assert [r["order"] for r in data["variants"][1]["runs"]] == [2, 4, 6, 8]  # interleaved
     assert data["warnings"] == []
     assert "fast vs slow:" in done.stdout and "fast is faster" in done.stdout
