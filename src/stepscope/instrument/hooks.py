@@ -261,13 +261,15 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
     # sync: host-device synchronisations, and .item()/.tolist() counts ------------------------------------------
     def make_scalar(original: Any) -> Any:
-        def scalar(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # .item() and .tolist() take no argument: a fixed signature spares the ~20 calls a step that pass through
+        # (torch's optimizers read their step counts) the packing of *args and **kwargs
+        def scalar(self: Any) -> Any:
             if not tracker.count_scalars or compiling():
-                return original(self, *args, **kwargs)
+                return original(self)
             tracker.count("item_calls")
             if self.is_cpu:
-                return original(self, *args, **kwargs)
-            return tracker.sync(original, self, *args, **kwargs)
+                return original(self)
+            return tracker.sync(original, self)
 
         return scalar
 
