@@ -559,16 +559,17 @@ def test_real_ab_finds_a_quartered_sleep(tmp_path):
 
 
 def test_real_starved_loader_gain_is_found_and_an_a_a_reads_no_difference(tmp_path):
-    # Every sample sleeps 5 ms: one process fetches a batch of 4 in 20 ms, two workers in about 10 (a true ~2x,
+    # Every sample sleeps 20 ms: one process fetches a batch of 2 in 40 ms, two workers in about 20 (a true ~2x,
     # sleep-bound, so a loaded machine slows neither much; few long sleeps, as each wake-up waits for a core under
-    # load). "same" is the baseline again: an A/A, which must read no difference. One A/B of 12 runs checks both:
-    # 4 a side, as with 3 one slowed run beside busy loops left the interval at 0.64-2.97 around 1.38 (CI).
+    # load: with 5 ms sleeps, batches of 4, a loaded CI read 1.95 with an interval of 0.82-4.64). "same" is the
+    # baseline again: an A/A, which must read no difference. One A/B of 12 runs checks both: 4 a side, as with 3
+    # one slowed run beside busy loops left the interval at 0.64-2.97 around 1.38 (CI).
     loader = SCRIPTS / "slow_loader.py"
     done, data = _ab(
         tmp_path, "--repeats", "4", "--steps", "20", "--warmup", "3",
-        "--variant", f"w0=python {loader} --batch-size 4 --sample-ms 5 --num-workers 0",
-        "--variant", f"w2=python {loader} --batch-size 4 --sample-ms 5 --num-workers 2",
-        "--variant", f"same=python {loader} --batch-size 4 --sample-ms 5 --num-workers 0",
+        "--variant", f"w0=python {loader} --batch-size 2 --sample-ms 20 --num-workers 0",
+        "--variant", f"w2=python {loader} --batch-size 2 --sample-ms 20 --num-workers 2",
+        "--variant", f"same=python {loader} --batch-size 2 --sample-ms 20 --num-workers 0",
         timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
