@@ -139,6 +139,8 @@ def main() -> None:
             print(f"step {step}: loss={loss.item():.4f} {mon.postfix()}", flush=True)
 
     stop.set()
+    for thread in threads:  # each finishes its engine call: no torch work left running as the interpreter exits
+        thread.join(timeout=10)
     close()
     summary = scope.summary()
     scope.print_table()
