@@ -588,6 +588,29 @@ def test_a_stop_from_inside_a_sample_ends_the_sampler_without_an_error(caplog):
     assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.records
 
 
+def test_a_stop_from_inside_the_locked_fold_does_not_deadlock(monkeypatch):
+    # The collection that finalizes a dropped Scope can be set off by any allocation, also the fold's, which runs
+    # under the figures' lock: the stop then takes the figures on the thread that holds that lock.
+    from stepscope.collectors import sampler
+
+    real_fold = sampler.fold
+    stopped: list[dict] = []
+
+    def fold(stats, readings):
+        if len(stopped) == 0 and source.reads == 3:
+            stopped.append(handle.stop(steps=3))
+        real_fold(stats, readings)
+
+    monkeypatch.setattr(sampler, "fold", fold)
+    source = Counting()
+    handle = Collectors([source], interval_s=0.05).start()
+    thread = handle._thread
+    thread.join(5)
+    assert not thread.is_alive(), "the sampler deadlocked on its own lock"
+    assert stopped and stopped[0]["samples"] == 2 and source.closed, stopped
+    assert handle.stop(steps=3) == stopped[0]
+
+
 def test_peek_reports_so_far_and_sampling_goes_on():
     clock = FakeTime()
     collectors = Collectors([Counting()], clock=clock)

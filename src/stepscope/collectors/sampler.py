@@ -100,7 +100,9 @@ class Collectors:
         self._sections = dict(sections or {})
         self._notes = list(notes)
         self._clock = clock
-        self._lock = threading.Lock()
+        # Re-entrant: a stop from inside a sample (a dropped Scope's finalizer, run by a collection that an allocation
+        # in the fold set off) takes the figures on the thread that holds it (_finish)
+        self._lock = threading.RLock()
         self._stop_lock = threading.Lock()  # two threads may call stop() at once (the loop's end and an atexit hook)
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
