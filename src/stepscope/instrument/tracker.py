@@ -241,15 +241,11 @@ class Tracker:
         if self._own_since is not None:
             self.scope._add_own(now - self._own_since)
             self._own_since = None
-        stack = self._stack
-        if stack:
+        if self._stack:
             self._close_segment(now)
-        stack.append(name)
+        self._stack.append(name)
         self._range_push(name)
-        self._segment_start = now
-        device = self.scope._device
-        # Waiting for data launches no GPU work: events around it would only measure an idle GPU.
-        self._segment_event = None if device is HOST_ONLY or name in HOST_PHASES else device.start()
+        self._open_segment(now)
         self.count_scalars = self.active and name not in QUIET_PHASES
 
     def _exit(self, name: str) -> None:
@@ -259,20 +255,16 @@ class Tracker:
         if name not in stack:
             return  # already closed at a step boundary
         now = self._clock()
-        self.scope._add(stack[-1], now - self._segment_start)
-        if self._segment_event is not None:
-            self.scope._device.stop(stack[-1], self._segment_event)
-            self._segment_event = None
+        self._close_segment(now)
         while True:
             self._range_pop()
             if stack.pop() == name:
                 break
         if stack:
             self._open_segment(now)
-            self.count_scalars = self.active and stack[-1] not in QUIET_PHASES
         else:
             self._own_since = now  # the rest of this event is stepscope's own time
-            self.count_scalars = self.active
+        self.count_scalars = self.active and not (stack and stack[-1] in QUIET_PHASES)
 
     def _open_segment(self, now: int) -> None:
         self._segment_start = now
