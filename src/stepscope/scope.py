@@ -719,7 +719,7 @@ class Scope:
             self._device.discard_step()
             self._step_start_ns = self._clock()  # the profiler's step() (a trace export) is not the next step's time
             return
-        if self._held is not None and self._settle_held(recurs=bool(side)):
+        if self._settle_held(recurs=bool(side)):
             _absorb(record, side)  # this step's stretch recurs too: it stays in the step
             side = []
         if recorder.add(record, hold=bool(side) and recorder.measuring):

@@ -52,7 +52,6 @@ COUNTERS = (
 )
 # The events that begin a step: once the requested steps are measured, the first of them ends the script.
 STOP_EVENTS = ("fetch_begin", "forward_begin", "backward_begin", "optimizer_step_begin")
-FLOPS_PENDING = ("waiting", "counting")  # the FLOP count's states that still need a call at each step's close
 PROBES = 8  # forward passes (and attention calls) probed for runtime facts at the start of the measured window
 
 
@@ -160,8 +159,6 @@ class Tracker:
         self._own_since: int | None = None  # during an event, outside every phase: when stepscope's own time began
         self.evals = EvalDetector()  # validation passes between steps: kept out of the step (see evaluation.py)
         self._fetch_loader: int | None = None
-        self._fetch_state: _LoaderState | None = None  # the open fetch's loader, and id() of what it fetches from
-        self._fetch_source = 0
         self.watch_copies = False  # hooks.install: .to()/.cuda() are hooked, and look for the batch's tensors
         self._grad_enabled: Callable[[], bool] = sys.modules["torch"].is_grad_enabled
         self._tensor: type = sys.modules["torch"].Tensor
@@ -294,6 +291,13 @@ class Tracker:
     def _count(self, counter: str) -> None:
         self.seen[counter] += 1
 
+    def _loader_key(self, source: Any) -> int | None:
+        """The index of the loader behind ``source`` (an iterator of it, or the loader), None for a new one."""
+        state = self._iterators.get(source) if source is not None else None
+        if state is None:
+            state = self._loaders.get(id(source))
+        return None if state is None else state.info.index
+
     def take_from_step(self, batches: int, samples: int) -> None:
         """Batches already counted in this step that a validation pass turned out to own."""
         self.seen["batches"] -= batches
@@ -331,16 +335,10 @@ class Tracker:
     @_guarded
     def fetch_begin(self, source: Any = None) -> int:
         """A fetch from ``source`` (a loader iterator, or the loader for ``iter(loader)``) begins."""
-        if self._backward_pending:
-            self._close_backward_step()
-        state = self._iterators.get(source) if source is not None else None
-        if state is None:
-            state = self._loaders.get(id(source))
-        self._fetch_state, self._fetch_source = state, id(source)  # for fetch_end: found once a fetch
-        self._fetch_loader = key = None if state is None else state.info.index
+        self._close_backward_step()
+        self._fetch_loader = self._loader_key(source)
+        self.evals.fetch_begin(self, self._fetch_loader, self._clock())
         self.in_fetch = True
-        if self.evals.open:  # a fetch from a training loader ends an open validation pass, before it
-            self.evals.fetch_begin(self, key, self._clock())
         self._enter("data_wait")
         return self._clock()
 
@@ -349,12 +347,7 @@ class Tracker:
         self._exit("data_wait")
         self.in_fetch = False
         now = self._clock()
-        if iterator is None:
-            state = None
-        elif id(iterator) == self._fetch_source:
-            state = self._fetch_state
-        else:  # a fetch inside another one's (a dataset that iterates a loader)
-            state = self._iterators.get(iterator)
+        state = None if iterator is None else self._iterators.get(iterator)
         samples = 0
         if batch is not None:
             tensors = batch_tensors(batch)
@@ -364,7 +357,7 @@ class Tracker:
         in_pass = self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None)
         if not in_pass and batch is not None:
             self._step_samples += samples  # a validation pass's batches are not the step's
-            self.seen["batches"] += 1
+            self._count("batches")
         if state is not None:
             state.info.fetch_s += (now - t0) / 1e9
             if in_pass:
@@ -386,13 +379,12 @@ class Tracker:
         if self.in_forward or self.in_fetch or (self._stack and self._stack[-1] == "backward"):
             return False  # inside a forward already, a fetch, or backward's recomputation of checkpointed layers
         self.audit.see(module)
-        if self._backward_pending:
-            self._close_backward_step()
+        self._close_backward_step()
         evaluating = self.evals.forward(self, module, self._grad_enabled(), self._clock())
         if not evaluating:
             if self.probes_left:
                 self._probe(module, args, kwargs)
-            self.seen["forward_calls"] += 1
+            self._count("forward_calls")
         self.in_forward = True
         self._enter("forward")
         return True
@@ -407,11 +399,10 @@ class Tracker:
         """A backward pass begins from ``root`` (the tensor, or the sequence of tensors, it differentiates)."""
         if self._stack and self._stack[-1] == "backward":
             return False  # a backward run inside one (from an autograd hook): part of it
-        if self._backward_pending:
-            self._close_backward_step()
+        self._close_backward_step()
         self._keep_loss(root)
         self.evals.training(self, self._clock())
-        self.seen["backward_calls"] += 1
+        self._count("backward_calls")
         self.audit.begin_backward()
         self._enter("backward")
         return True
@@ -496,12 +487,11 @@ class Tracker:
     def optimizer_step_end(self, optimizer: Any) -> None:
         """After ``optimizer.step``: close the step when this optimizer ends a round."""
         self._exit("optimizer")
-        self.seen["optimizer_steps"] += 1
+        self._count("optimizer_steps")
         self.boundary = "optimizer.step"
         self._backward_pending = False
         key = id(optimizer)
-        if key not in self._optimizers:
-            self._see_optimizer(optimizer)
+        self._see_optimizer(optimizer)
         if key not in self._round:
             # A new optimizer joins the round after those seen so far: it is now the one that ends a round.
             self._round.add(key)
@@ -582,8 +572,7 @@ class Tracker:
     # -- steps ---------------------------------------------------------------------------------------------------
 
     def _close_backward_step(self) -> None:
-        """A script without an optimizer: its step closes where the next iteration's first event comes (callers
-        check ``_backward_pending`` first)."""
+        """A script without an optimizer: its step closes where the next iteration's first event comes."""
         if self._backward_pending:
             self._backward_pending = False
             self.close_step()
@@ -594,11 +583,10 @@ class Tracker:
         """End the current step; once the requested steps are measured, arm the stop at the next step's first
         event (``_stop_at_next_event``)."""
         scope = self.scope
-        recorder = scope._recorder
         open_phases = bool(self._stack)
         if open_phases:
             self._close_segment(self._clock())
-        warming_up = recorder.steps_seen < recorder.warmup  # not yet measuring
+        warming_up = not scope._recorder.measuring
         if warming_up:
             self._seen_at_measure = dict(self.seen)  # a warm-up step: measured counts start after it
         closed_before, self._seen_closed = self._seen_closed, dict(self.seen)
@@ -613,7 +601,7 @@ class Tracker:
         if scope._recorder.profiled != profiled:  # a step recorded by torch.profiler: left out of the counts too
             for name in COUNTERS:
                 self._seen_at_measure[name] += self._seen_closed[name] - closed_before[name]
-        if self._flops_state in FLOPS_PENDING:
+        if self._flops_state != "off":
             self._count_flops()
         if warming_up and scope._recorder.measuring:
             self._begin_measuring()
