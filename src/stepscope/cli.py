@@ -642,20 +642,16 @@ def _interval(sample_hz: float) -> float | None:
     return None if sample_hz == 0 else 1.0 / sample_hz
 
 
-def _stack_hz(text: str) -> float:
-    """An argparse type: stack samples per second, 0 (off) or up to MAX_STACK_HZ."""
-    value = float(text) if text.isascii() else math.nan
-    if not (value == 0 or 0 < value <= MAX_STACK_HZ):
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or in (0, {MAX_STACK_HZ:g}] Hz, got {text}")
-    return value
+def _rate_hz(maximum: float) -> Callable[[str], float]:
+    """An argparse type: a rate in Hz (ASCII digits), 0 (off) or in (0, ``maximum``]."""
 
+    def parse(text: str) -> float:
+        value = float(text) if text.isascii() else math.nan
+        if not (value == 0 or 0 < value <= maximum):
+            raise argparse.ArgumentTypeError(f"must be 0 (off) or in (0, {maximum:g}] Hz, got {text}")
+        return value
 
-def _sample_hz(text: str) -> float:
-    """An argparse type: a sampling rate in Hz, 0 (off) or up to 20."""
-    value = float(text) if text.isascii() else math.nan
-    if not (value == 0 or 0 < value <= 20):
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or in (0, 20] Hz, got {text}")
-    return value
+    return parse
 
 
 # Each checkpoint builds and writes a whole summary: more often than this, writing would become a cost of its own.
@@ -764,14 +760,14 @@ def _measure_options(verb: argparse.ArgumentParser, sample_hz: float, sample_hz_
     )
     verb.add_argument(
         "--sample-hz",
-        type=_sample_hz,
+        type=_rate_hz(20),
         default=sample_hz,
         help=f"host CPU and GPU (NVML) samples per second over the measured steps; 0 turns sampling off "
         f"(default {sample_hz:g}; {sample_hz_why})",
     )
     verb.add_argument(
         "--stack-hz",
-        type=_stack_hz,
+        type=_rate_hz(MAX_STACK_HZ),
         default=DEFAULT_STACK_HZ,
         help="training-thread stack samples per second while host sampling runs, naming the lines behind time no phase "
         f"owns (hotspots); each takes the GIL from the training thread; 0 turns it off (default {DEFAULT_STACK_HZ:g})",
