@@ -564,51 +564,45 @@ def test_stop_joins_the_thread_and_is_idempotent():
     assert first["samples"] == first["counting"]["reads"] == reads >= 4
 
 
-def test_a_stop_from_inside_a_sample_ends_the_sampler_without_an_error(caplog):
+@pytest.mark.parametrize("inside", ["read", "fold"])
+def test_a_stop_from_inside_a_sample_ends_the_sampler_without_an_error(caplog, monkeypatch, inside):
     # A Scope dropped without close() is collected by whichever thread's allocation runs the garbage collector, and
     # its finalizer stops its sampler: on the sampler's own thread, inside a sample, it once raised "cannot join
-    # current thread" and lost the figures.
+    # current thread" and lost the figures. The allocation can be the fold's too, which runs under the figures'
+    # lock: the stop then takes the figures on the thread that holds it, and must not deadlock.
+    from stepscope.collectors import sampler
+
     stopped: list[dict] = []
+
+    def stop_at_the_third_sample() -> None:
+        if not stopped and source.reads == 3:
+            stopped.append(handle.stop(steps=3))
 
     class StoppedInside(Counting):
         def read(self, now_s: float) -> dict[str, float]:
             readings = super().read(now_s)
-            if self.reads == 3:
-                stopped.append(handle.stop(steps=3))
+            if inside == "read":
+                stop_at_the_third_sample()
             return readings
 
+    real_fold = sampler.fold
+
+    def fold(stats, readings):
+        if inside == "fold":
+            stop_at_the_third_sample()
+        real_fold(stats, readings)
+
+    monkeypatch.setattr(sampler, "fold", fold)
     source = StoppedInside()
     with caplog.at_level("WARNING", logger="stepscope"):
         handle = Collectors([source], interval_s=0.05).start()
         thread = handle._thread
         thread.join(5)
-    assert not thread.is_alive() and source.closed and source.reads == 3
+    assert not thread.is_alive(), "the sampler did not end (deadlocked on its own lock?)"
+    assert source.closed and source.reads == 3
     assert stopped and stopped[0]["samples"] == 2 and not stopped[0]["notes"], stopped  # the figures before it
     assert handle.stop(steps=3) == stopped[0]
     assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.records
-
-
-def test_a_stop_from_inside_the_locked_fold_does_not_deadlock(monkeypatch):
-    # The collection that finalizes a dropped Scope can be set off by any allocation, also the fold's, which runs
-    # under the figures' lock: the stop then takes the figures on the thread that holds that lock.
-    from stepscope.collectors import sampler
-
-    real_fold = sampler.fold
-    stopped: list[dict] = []
-
-    def fold(stats, readings):
-        if len(stopped) == 0 and source.reads == 3:
-            stopped.append(handle.stop(steps=3))
-        real_fold(stats, readings)
-
-    monkeypatch.setattr(sampler, "fold", fold)
-    source = Counting()
-    handle = Collectors([source], interval_s=0.05).start()
-    thread = handle._thread
-    thread.join(5)
-    assert not thread.is_alive(), "the sampler deadlocked on its own lock"
-    assert stopped and stopped[0]["samples"] == 2 and source.closed, stopped
-    assert handle.stop(steps=3) == stopped[0]
 
 
 def test_peek_reports_so_far_and_sampling_goes_on():
