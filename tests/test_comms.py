@@ -91,6 +91,39 @@ def test_waits_the_straggler_does_not_explain_leave_the_phase_verdict():
     assert not any("waits" in line for line in job.verdict.evidence), job.verdict
 
 
+def test_a_small_excess_on_a_step_every_rank_spends_elsewhere_is_named_but_not_the_bound():
+    # The truth generator's c053 beside busy loops: both ranks spend 19.2 ms of a 30.6 ms step in the script's own
+    # host work; load gave rank 1 2.2 ms more data_wait, which rank 0 waits for. The job's step is rank 1's, and
+    # host leads it: "data" would aim the user at 7% of the step.
+    fast = {"data_wait": 0.4, "forward": 4.3, "backward": 2.9, "comms": 3.6, "optimizer": 0.2, "other": 19.2}
+    slow = {**fast, "data_wait": 2.6, "comms": 1.4}
+    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    assert (job.cluster.straggler.rank, job.cluster.straggler.phase) == (1, "data_wait")
+    assert attributed_straggler(job) is not None
+    assert (job.verdict.bound, job.verdict.confidence) == ("host", "high"), job.verdict
+    assert job.verdict.evidence[0] == "rank 1: other is 63% of the step (19.2 ms of a 30.6 ms step)", job.verdict
+    assert job.verdict.evidence[-2:] == [
+        "rank 1's data_wait is 2.2 ms above the other ranks' median (7% of the 30.6 ms job step)",
+        "rank 0 waits 3.6 ms per step in comms for it, against 1.4 ms on rank 1",
+    ]
+
+
+def test_an_excess_that_leads_a_step_no_group_holds_40_percent_of_is_still_the_bound():
+    # Rank 1's data group (6 ms: 5.5 ms excess) leads its 16.5 ms step at 36%, under the 40% a bound by share needs.
+    fast = {"data_wait": 0.5, "forward": 2.0, "backward": 2.0, "comms": 6.0, "optimizer": 3.0, "other": 3.0}
+    slow = {**fast, "data_wait": 6.0, "comms": 0.5}
+    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    assert job.verdict.bound == "data", job.verdict
+    assert job.verdict.evidence[0].startswith("rank 1's data_wait is 5.5 ms above"), job.verdict
+    # Its 4 ms excess no longer leads when compute holds 5 ms of rank 1's step: no group is the job's bound.
+    fast = {"data_wait": 0.5, "forward": 2.5, "backward": 2.5, "comms": 4.5, "optimizer": 4.0, "other": 4.0}
+    slow = {**fast, "data_wait": 4.5, "comms": 0.5}
+    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    assert job.verdict.bound == "balanced", job.verdict
+    assert job.verdict.evidence[0].startswith("rank 1: no part of the step reaches 40%"), job.verdict
+    assert job.verdict.evidence[1].startswith("rank 1's data_wait is 4.0 ms above"), job.verdict
+
+
 def test_summaries_without_comms_keep_the_old_straggler_and_no_attribution():
     # An older run: the wait sits inside rank 0's backward, so no rank is seen waiting.
     old_fast = {"data_wait": 0.5, "forward": 1.0, "backward": 15.5, "optimizer": 0.5, "other": 0.2}

@@ -162,3 +162,19 @@ def test_a_straggler_must_be_named_by_rank_and_phase() -> None:
     named = {"cluster": {"straggler": {"rank": 1, "phase": "forward"}}}
     assert score_phases(_summary(**named), exp).status == RIGHT
     assert score_phases(_summary(cluster={"straggler": {"rank": 0, "phase": "forward"}}), exp).status == WRONG
+
+
+def test_a_stragglers_excess_is_the_bound_only_while_its_group_leads_the_stragglers_step() -> None:
+    # Every rank takes 10 ms in forward and 1 in other; rank 1 sleeps more in other: its step is the job's.
+    def expectation(other_ms: float) -> truth.Expectation:
+        own = [_own(0, 0), _own(1, 0)]
+        own[1].phases = {**own[1].phases, "other": other_ms}
+        spec = truth.CaseSpec("t", 0, 0, ranks=2, straggler=StragglerSpec(1, "other", Cost(other_ms - 1.0)))
+        return truth.expect(spec, own, {"checkpoint": None, "log": None})
+
+    assert expectation(12.0).bound_ok[0] == "host"  # 12 ms of other lead rank 1's 22.5 ms step
+    # A 4 ms excess beside 10 ms of forward: compute leads (host stays acceptable, as any rank gap of 10% of the
+    # step is, whatever made it)
+    assert expectation(5.0).bound_ok == ["compute", "host"]
+    assert expectation(5.0).bound_why.startswith("rank 1's own step (the job's) is 66% compute, host 5.0 ms with")
+    assert expectation(5.0).straggler_group == "host"  # a fix aimed at the straggler still names its rank

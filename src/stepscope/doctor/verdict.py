@@ -19,8 +19,10 @@ wait is the input pipeline's: it moves from the CPU-timed groups to ``data`` bef
 verdict cites it instead of calling the machine oversubscribed.
 
 A job's verdict is the job's (``job_verdict``): when one rank's excess in a phase explains the time the other
-ranks wait in collectives (their ``comms``), the bound is that phase's group on that rank, whatever the average
-rank's shares say: the waiting ranks only wait for it.
+ranks wait in collectives (their ``comms``), the job's step is that rank's, and so is the verdict, whatever the
+average rank's shares say: the waiting ranks only wait for it. Its bound is that phase's group when the group leads
+the straggler's step, else the group that does: a small excess on a step that every rank spends mostly elsewhere
+is named, but is not the job's bound.
 """
 
 from __future__ import annotations
@@ -161,9 +163,11 @@ def attributed_straggler(summary: RunSummary) -> Straggler | None:
 
 
 def job_verdict(summary: RunSummary) -> Verdict | None:
-    """The verdict of a job whose ranks wait for one straggler: the group of the straggler's slow phase, citing
-    both sides (its excess, the others' comms), then what the straggler's own phases say. None when no straggler
-    explains the waits."""
+    """The verdict of a job whose ranks wait for one straggler: the verdict of the straggler's own step, which is
+    the job's step (the others wait for it). When the group of its slow phase leads that step, the verdict cites
+    both sides (its excess, the others' comms) and then the straggler's own lines; when another group leads it (a
+    2 ms loading excess on a step that is 60% host work on every rank), the straggler's own verdict is the job's,
+    and the straggler is named after its lines. None when no straggler explains the waits."""
     straggler = attributed_straggler(summary)
     if straggler is None:
         return None
@@ -179,19 +183,25 @@ def job_verdict(summary: RunSummary) -> Verdict | None:
     median = "" if len(waiting) == 1 else " (median)"
     own = "" if not straggler.own_comms_ms else f", against {straggler.own_comms_ms:.1f} ms on rank {straggler.rank}"
     where = f" on {straggler.node}" if straggler.node else ""
-    evidence = [
+    both_sides = [
         f"rank {straggler.rank}'s {straggler.phase}{where} is {straggler.excess_ms:.1f} ms above the other ranks' "
         f"median ({100 * share:.0f}% of the {step_ms:.1f} ms job step)",
         f"{who} {straggler.wait_ms:.1f} ms per step{median} in comms for it{own}",
     ]
     slow = rank_summary(summary, straggler.rank)
     assert slow is not None
-    rank_verdict = classify_phases(slow)
-    if rank_verdict.bound == group:
-        evidence += [f"rank {straggler.rank}: {line}" for line in rank_verdict.evidence]
+    pace = classify_phases(slow)
+    own_lines = [f"rank {straggler.rank}: {line}" for line in pace.evidence]
+    if pace.bound in ("balanced", "unknown"):  # no bound by share: the excess decides if its group leads the step
+        shares = group_shares(slow)
+        leads = max(shares, key=shares.__getitem__) == group
+    else:
+        leads = pace.bound == group
+    if not leads:
+        return Verdict(pace.bound, pace.confidence, [*own_lines, *both_sides])
     waited = straggler.wait_ms - (straggler.own_comms_ms or 0.0)
     strong = waited >= EXPLAINS_HIGH * straggler.excess_ms and share >= MIN_SHARE
-    return Verdict(group, "high" if strong else "medium", evidence)
+    return Verdict(group, "high" if strong else "medium", both_sides + (own_lines if pace.bound == group else []))
 
 
 def classify_phases(summary: RunSummary) -> Verdict:
