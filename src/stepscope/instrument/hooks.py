@@ -12,6 +12,8 @@ Inside a ``torch.compile`` trace every wrapper steps aside so that compiled grap
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +43,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     compiling = torch.compiler.is_compiling
+    get_ident = threading.get_ident  # events from a thread other than the steps' (tracker.thread) pass by
     undo: list[Callable[[], None]] = []
     patch = patcher(undo)
 
@@ -52,6 +55,8 @@ def install(tracker: Tracker) -> Callable[[], None]:
                 return original(self)
             if capturing:
                 tracker.capture(self)  # measures this loader (or the one asked for) and stops, or passes it by
+            if get_ident() != tracker.thread:
+                return tracker.iter_elsewhere(original, self)
             t0 = tracker.fetch_begin(self)
             try:
                 iterator = original(self)
@@ -66,6 +71,8 @@ def install(tracker: Tracker) -> Callable[[], None]:
         def __next__(self: Any) -> Any:
             if not tracker.active:
                 return original(self)
+            if get_ident() != tracker.thread:
+                return tracker.next_elsewhere(original, self)
             t0 = tracker.fetch_begin(self)
             try:
                 batch = original(self)
@@ -80,6 +87,20 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
         return __next__
 
+    def make_handover(original: Any) -> Any:
+        def get(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # The steps' thread waiting for a batch that a thread iterating a loader hands over (a prefetcher's
+            # queue) waits for data; inside a fetch it is the DataLoader's own queue (pin memory), timed already.
+            if not tracker.loader_elsewhere or tracker.in_fetch or not tracker.active or get_ident() != tracker.thread:
+                return original(self, *args, **kwargs)
+            tracker.enter("data_wait")
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                tracker.exit("data_wait")
+
+        return get
+
     capturing = tracker.config.loader_job is not None
     if capturing:
 
@@ -93,6 +114,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
         patch(DataLoader, "__init__", make_loader_init)
     patch(DataLoader, "__iter__", make_iter)
     patch(_BaseDataLoaderIter, "__next__", make_next)
+    patch(queue.Queue, "get", make_handover)
 
     # h2d: copies of the loader's tensors ---------------------------------------------------------------------
     def make_copy(original: Any) -> Any:
@@ -121,10 +143,11 @@ def install(tracker: Tracker) -> Callable[[], None]:
     # forward: the outermost module call ------------------------------------------------------------------------
     def make_call(original: Any) -> Any:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # Inner module calls leave here after three attribute checks.
+            # Inner module calls leave here after three attribute checks; so do calls on another thread than the
+            # steps' (a model in a thread of its own, a transform in a prefetcher's).
             if tracker.in_forward or tracker.in_fetch or not tracker.active or compiling():
                 return original(self, *args, **kwargs)
-            if not tracker.forward_begin(self, args, kwargs):
+            if get_ident() != tracker.thread or not tracker.forward_begin(self, args, kwargs):
                 return original(self, *args, **kwargs)
             try:
                 return original(self, *args, **kwargs)
@@ -139,7 +162,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
     def make_backward(original: Any) -> Any:
         def backward(*args: Any, **kwargs: Any) -> Any:
             root = args[0] if args else kwargs.get("tensors")  # the tensors (Tensor.backward passes its self)
-            if compiling() or not tracker.active or not tracker.backward_begin(root):
+            if compiling() or not tracker.active or get_ident() != tracker.thread or not tracker.backward_begin(root):
                 return original(*args, **kwargs)
             try:
                 return original(*args, **kwargs)
@@ -156,7 +179,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
     def make_phase(phase: str) -> Callable[[Any], Any]:
         def make(original: Any) -> Any:
             def timed(*args: Any, **kwargs: Any) -> Any:
-                if compiling() or not tracker.active:
+                if compiling() or not tracker.active or get_ident() != tracker.thread:
                     return original(*args, **kwargs)
                 tracker.enter(phase)
                 try:
@@ -264,7 +287,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
         # .item() and .tolist() take no argument: a fixed signature spares the ~20 calls a step that pass through
         # (torch's optimizers read their step counts) the packing of *args and **kwargs
         def scalar(self: Any) -> Any:
-            if not tracker.count_scalars or compiling():
+            if not tracker.count_scalars or compiling() or get_ident() != tracker.thread:
                 return original(self)
             tracker.count("item_calls")
             if self.is_cpu:
@@ -275,7 +298,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
     def make_cpu(original: Any) -> Any:
         def cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if compiling() or self.is_cpu or not tracker.active or tracker.in_fetch:
+            if compiling() or self.is_cpu or not tracker.active or tracker.in_fetch or get_ident() != tracker.thread:
                 return original(self, *args, **kwargs)
             return tracker.sync(original, self, *args, **kwargs)
 
@@ -283,7 +306,7 @@ def install(tracker: Tracker) -> Callable[[], None]:
 
     def make_synchronize(original: Any) -> Any:
         def synchronize(*args: Any, **kwargs: Any) -> Any:
-            if compiling() or not tracker.active:
+            if compiling() or not tracker.active or get_ident() != tracker.thread:
                 return original(*args, **kwargs)
             return tracker.sync(original, *args, **kwargs)
 
@@ -334,15 +357,12 @@ COLLECTIVES = (
 
 def _install_distributed(tracker: Tracker, patch: Callable[..., None], undo: list[Callable[[], None]]) -> None:
     """Collectives, ``Work.wait`` and DDP's gradient all-reduce wait as ``comms`` time."""
-    import threading
-
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from torch.nn.parallel import DistributedDataParallel
 
     compiling = torch.compiler.is_compiling
-    main_thread = threading.main_thread().ident
 
     def make_comms(original: Any) -> Any:
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -352,7 +372,7 @@ def _install_distributed(tracker: Tracker, patch: Callable[..., None], undo: lis
             if (
                 compiling()
                 or not tracker.active
-                or (threading.get_ident() != main_thread and not tracker.backward_open)
+                or (threading.get_ident() != tracker.thread and not tracker.backward_open)
             ):
                 return original(*args, **kwargs)
             tracker.enter("comms")

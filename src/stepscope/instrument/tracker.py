@@ -166,6 +166,10 @@ class Tracker:
         # stepscope's own cost (own_cost.py): its handlers' time, its threads' CPU, at the measured window's ends
         self.hook_ns = 0
         self._training_thread = threading.get_native_id()  # whose page faults are the step's (malloc facts)
+        # The thread the steps run on: the one that closes them (the main thread until one closes). The hooks pass
+        # other threads' events by (a prefetcher's fetches, a model called in a thread of its own): the tracker's
+        # phases are one thread's time line.
+        self.thread = threading.main_thread().ident
         self._window_start = self._mark()
         self._window_end: _Mark | None = None
         scope._phase_of = self.phase_at  # the stack sampler reads the phase stack, not the Scope's phases
@@ -189,6 +193,8 @@ class Tracker:
         self._seen_closed = dict(self.seen)
         self._seen_at_measure = dict(self.seen)
         self._step_samples = 0
+        self._elsewhere_samples = 0  # the samples of batches fetched on other threads since the last step closed
+        self.loader_elsewhere = False  # a loader was iterated on another thread: the hooks time the hand-over
         self.stopped = False  # ended by StopRun
         self.stop_due = False  # the requested steps are measured: StopRun at the next step's first event
         self.outcome: Exit | None = None  # how the process ended, when known (error, signal)
@@ -320,6 +326,9 @@ class Tracker:
     @_guarded
     def epoch_begin(self, loader: Any, iterator: Any, start_ns: int) -> None:
         """``iter(loader)``, begun at ``start_ns``: a fresh pass over a DataLoader."""
+        self._begin_epoch(loader, iterator, start_ns)
+
+    def _begin_epoch(self, loader: Any, iterator: Any, start_ns: int) -> None:
         state = self._loaders.get(id(loader))
         if state is None:
             info = _describe_loader(loader, len(self._loaders))
@@ -359,19 +368,63 @@ class Tracker:
             self._step_samples += samples  # a validation pass's batches are not the step's
             self._count("batches")
         if state is not None:
-            state.info.fetch_s += (now - t0) / 1e9
-            if in_pass:
-                state.info.eval_fetch_s += (now - t0) / 1e9
-                state.info.eval_batches += batch is not None
-            if state.epoch_stall_ns is None:
-                state.epoch_stall_ns = now - state.epoch_start_ns  # from iter(loader) to the first batch
-            if batch is not None:
-                state.info.batches += 1
-                state.info.samples += samples
-                state.epoch_batches += 1
-                state.epoch_samples += samples
-            if exhausted and state.epoch_open:
-                self._end_epoch(state, complete=True)
+            self._count_fetch(state, t0, now, samples, batch is not None, exhausted, in_pass)
+
+    def _count_fetch(
+        self, state: _LoaderState, t0: int, now: int, samples: int, got: bool, exhausted: bool, in_pass: bool
+    ) -> None:
+        """A loader's fetch from ``t0`` to ``now`` (ns) into its figures: a batch of ``samples`` when ``got``."""
+        state.info.fetch_s += (now - t0) / 1e9
+        if in_pass:
+            state.info.eval_fetch_s += (now - t0) / 1e9
+            state.info.eval_batches += got
+        if state.epoch_stall_ns is None:
+            state.epoch_stall_ns = now - state.epoch_start_ns  # from iter(loader) to the first batch
+        if got:
+            state.info.batches += 1
+            state.info.samples += samples
+            state.epoch_batches += 1
+            state.epoch_samples += samples
+        if exhausted and state.epoch_open:
+            self._end_epoch(state, complete=True)
+
+    # A loader iterated on a thread other than the steps' (a prefetcher that hands batches over through a queue):
+    # its epochs, batches and samples are counted, and a step whose own thread fetched nothing takes the samples
+    # fetched meanwhile; no phase opens, the steps' time line is another thread's. Not guarded: the guard's account
+    # of stepscope's own time belongs to the steps' thread (an error stops measuring all the same).
+
+    def iter_elsewhere(self, make_iterator: Callable[[Any], Any], loader: Any) -> Any:
+        """``iter(loader)`` on another thread: a new epoch of ``loader``; returns the iterator."""
+        t0 = self._clock()
+        iterator = make_iterator(loader)
+        self._elsewhere(lambda: self._begin_epoch(loader, iterator, t0))
+        return iterator
+
+    def next_elsewhere(self, fetch: Callable[[Any], Any], iterator: Any) -> Any:
+        """``next(iterator)`` of a loader's iterator on another thread; returns the batch."""
+        t0 = self._clock()
+        try:
+            batch = fetch(iterator)
+        except StopIteration:
+            self._elsewhere(lambda: self._count_elsewhere(iterator, None, t0))
+            raise
+        self._elsewhere(lambda: self._count_elsewhere(iterator, batch, t0))
+        return batch
+
+    def _elsewhere(self, count: Callable[[], None]) -> None:
+        try:
+            self.loader_elsewhere = True
+            count()
+        except Exception as error:
+            self.fail(error)
+
+    def _count_elsewhere(self, iterator: Any, batch: Any, t0: int) -> None:
+        samples = 0 if batch is None else batch_samples(batch_tensors(batch))
+        self._elsewhere_samples += samples
+        self.seen["batches"] += batch is not None
+        state = self._iterators.get(iterator)
+        if state is not None:
+            self._count_fetch(state, t0, self._clock(), samples, batch is not None, batch is None, in_pass=False)
 
     @_guarded
     def forward_begin(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -590,7 +643,9 @@ class Tracker:
         if warming_up:
             self._seen_at_measure = dict(self.seen)  # a warm-up step: measured counts start after it
         closed_before, self._seen_closed = self._seen_closed, dict(self.seen)
-        samples = self._step_samples or self.config.batch_size
+        self.thread = threading.get_ident()
+        elsewhere, self._elsewhere_samples = self._elsewhere_samples, 0
+        samples = self._step_samples or elsewhere or self.config.batch_size
         profiled = scope._recorder.profiled
         if self._own_since is not None:  # the ending step's share of this event
             scope._add_own(self._clock() - self._own_since)

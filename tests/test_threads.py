@@ -1,0 +1,41 @@
+"""The steps' thread and the others: a prefetcher's fetches, a metrics thread's forwards and a transform inside a
+prefetcher's Dataset are not the steps' phases; the steps' wait for a batch that a prefetcher hands over is data."""
+
+import json
+import os
+import statistics
+from unittest import mock
+
+from run_helpers import cli_here, run_env, script, stepscope_cmd
+
+from stepscope.summary import RunSummary
+
+WARMUP, STEPS = 5, 30
+
+
+def test_a_prefetcher_threads_batches_are_counted_and_the_wait_for_them_is_data(tmp_path):
+    # 4 samples of 2 ms each per batch on the prefetcher's thread, a 3 ms forward on the steps': they wait ~5 ms a
+    # step in queue.get. Before stepscope followed one thread, the prefetcher's fetch opened data_wait on the steps'
+    # time line and suppressed their forward, and the metrics thread's forwards broke into their phases.
+    timers = tmp_path / "timers.jsonl"
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("prefetch_thread.py"), "--timers", str(timers), warmup=WARMUP, steps=STEPS)
+    with mock.patch.dict(os.environ, run_env(), clear=True):
+        code, stdout, stderr = cli_here(tmp_path, cmd)
+    out = stdout[-3000:] + stderr[-3000:]
+    assert code == 0 and json_path.exists(), out
+    s = RunSummary.from_json(json_path)
+    own = [json.loads(line) for line in timers.read_text().splitlines()][WARMUP : WARMUP + STEPS]
+    own_get_ms = statistics.median(t["get_s"] for t in own) * 1e3
+    own_forward_ms = statistics.median(t["forward_s"] for t in own) * 1e3
+    assert own_get_ms > 2.0, own  # the prefetcher is the slower side: the steps wait for it
+    phases = s.phases
+    assert abs(phases["data_wait"].median_ms - own_get_ms) <= 0.15 * own_get_ms + 0.5, (own_get_ms, phases, out)
+    assert abs(phases["forward"].median_ms - own_forward_ms) <= 0.15 * own_forward_ms + 0.5, (own_forward_ms, out)
+    assert s.counters["forward_calls"] == 1.0, s.counters  # the metrics thread's and the transform's are not
+    assert s.throughput.samples_per_s is not None, out
+    assert abs(s.throughput.samples_per_s / s.throughput.steps_per_s - 4) <= 0.4, s.throughput  # 4 samples a step
+    (loader,) = s.loaders
+    assert (loader.dataset, loader.batch_size, loader.num_workers) == ("SleepyDataset", 4, 0), loader
+    assert loader.batches >= WARMUP + STEPS, loader
+    assert s.verdict.bound == "data", (s.verdict, out)
