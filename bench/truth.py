@@ -15,10 +15,12 @@ forward (the model's forward), backward (a custom autograd Function), optimizer 
 wrapping an inner SGD) and other (plain Python in the loop body); a second model's forward without gradients
 before (a teacher) or after the step (a metric or EMA model): step work; validation over its own loader every
 K ≥ 5 steps; 1–3 loaders (map-style or iterable, each with its own Dataset class), fetched each per micro-batch
-or in turn; gradient accumulation (2–4 micro-batches; DDP: ``no_sync`` but the last); ``torch.save`` of a
-6–12 MB state dict every step; a log line (print or logging) formatting a tensor every step; a straggler rank
-(an extra 6–15 ms sleep in one phase on one rank, or rank 0 alone saving/logging); 4–6 CPU-bound loader workers
-on 2 cores; busy-loop processes beside the run (``--load``: two on every case).
+or in turn, by the training thread or (15% of cases) each by a prefetcher thread that hands its batches over
+through a queue, as prefetch_generator's BackgroundGenerator does; gradient accumulation (2–4 micro-batches;
+DDP: ``no_sync`` but the last); ``torch.save`` of a 6–12 MB state dict every step; a log line (print or logging)
+formatting a tensor every step; a straggler rank (an extra 6–15 ms sleep in one phase on one rank, or rank 0 alone
+saving/logging); 4–6 CPU-bound loader workers on 2 cores; busy-loop processes beside the run (``--load``: two on
+every case).
 
 Ground truth is the script's own timer: per optimizer step its end time (``perf_counter``), the time spent in
 its own validation since the previous step's end, the time each phase's calls took (a timer around every

@@ -165,9 +165,44 @@ def _straggles(spec: CaseSpec, phase: str) -> bool:
     return spec.straggler is not None and spec.straggler.phase == phase and spec.straggler.cost is not None
 
 
+PREFETCHED = '''class Prefetched:
+    """A loader iterated by a thread of its own that hands its batches over through a queue, as
+    prefetch_generator's BackgroundGenerator does."""
+
+    def __init__(self, loader):
+        self.queue = queue.Queue(maxsize=2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.produce, args=(loader,), daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    def produce(self, loader):
+        for batch in loader:
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(batch, timeout=0.05)
+                    break
+                except queue.Full:
+                    pass
+            if self.stop.is_set():
+                return
+
+    def __next__(self):
+        return self.queue.get()
+
+    def close(self):
+        # Joined before exit: a daemon thread inside a torch op at interpreter exit aborts the process.
+        self.stop.set()
+        self.thread.join(5)
+
+
+'''
+
+
 def _classes(spec: CaseSpec) -> list[str]:
-    """A Dataset class per loader (named, so a fix's evidence can name it), the models and the optimizer."""
-    out = []
+    """A Dataset class per loader (named, so a fix's evidence can name it), the prefetcher, the models and the
+    optimizer."""
+    out = PREFETCHED.splitlines() if spec.prefetch else []
     for ld in spec.loaders:
         base = "Stream" if ld.iterable else "Samples"
         out += [f"class {ld.name}({base}):", f'    """Training data: {ld.name}."""', "", ""]
@@ -292,7 +327,7 @@ def _setup(spec: CaseSpec) -> list[str]:
     out += [
         "    ]",
         f"    names = {[ld.name for ld in spec.loaders]!r}",
-        "    iters = [iter(loader) for loader in loaders]",
+        f"    iters = [{'Prefetched(loader)' if spec.prefetch else 'iter(loader)'} for loader in loaders]",
         "    model = Net()",
     ]
     if spec.ranks > 1:
@@ -427,6 +462,8 @@ VALIDATE = '''def validate(model, loader):
 def write_script(spec: CaseSpec) -> Script:
     """The case's training script, with the lines its host fixes should name."""
     extra_imports = "import logging\n" if spec.log == "logging" else ""
+    if spec.prefetch:
+        extra_imports += "import queue\nimport threading\n"
     torch_imports = ""
     if spec.ranks > 1:
         torch_imports = "import torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel\n"

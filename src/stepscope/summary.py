@@ -214,7 +214,9 @@ class LoaderInfo:
 
     @property
     def step_fetch_s(self) -> float:
-        """Time (s) the training steps waited on this loader: its fetches outside validation passes."""
+        """Time (s) the training steps waited on this loader: its fetches outside validation passes (iterated on
+        another thread than the steps', a prefetcher's: the fetches' own time, which the steps wait for only where
+        it does not overlap them)."""
         return max(self.fetch_s - self.eval_fetch_s, 0.0)
 
 

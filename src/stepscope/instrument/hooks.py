@@ -93,11 +93,11 @@ def install(tracker: Tracker) -> Callable[[], None]:
             # queue) waits for data; inside a fetch it is the DataLoader's own queue (pin memory), timed already.
             if not tracker.loader_elsewhere or tracker.in_fetch or not tracker.active or get_ident() != tracker.thread:
                 return original(self, *args, **kwargs)
-            tracker.enter("data_wait")
+            t0 = tracker.handover_begin(self)
             try:
                 return original(self, *args, **kwargs)
             finally:
-                tracker.exit("data_wait")
+                tracker.fetch_end(None, None, t0)
 
         return get
 

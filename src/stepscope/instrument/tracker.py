@@ -195,6 +195,7 @@ class Tracker:
         self._step_samples = 0
         self._elsewhere_samples = 0  # the samples of batches fetched on other threads since the last step closed
         self.loader_elsewhere = False  # a loader was iterated on another thread: the hooks time the hand-over
+        self._handovers: dict[int, int] = {}  # id of a queue handing batches over -> its loader key (-1, -2, ...)
         self.stopped = False  # ended by StopRun
         self.stop_due = False  # the requested steps are measured: StopRun at the next step's first event
         self.outcome: Exit | None = None  # how the process ended, when known (error, signal)
@@ -344,8 +345,19 @@ class Tracker:
     @_guarded
     def fetch_begin(self, source: Any = None) -> int:
         """A fetch from ``source`` (a loader iterator, or the loader for ``iter(loader)``) begins."""
+        return self._begin_fetch(self._loader_key(source))
+
+    @_guarded
+    def handover_begin(self, handover: Any) -> int:
+        """The steps' thread waits for a batch that a thread iterating a loader hands over through ``handover`` (a
+        queue): a fetch whose batch the other thread counted (``fetch_end`` without one). The queue stands for
+        its loader, so that the validation passes tell a training prefetcher's batches from a validation one's."""
+        key = self._handovers.setdefault(id(handover), -1 - len(self._handovers))
+        return self._begin_fetch(key)
+
+    def _begin_fetch(self, loader: int | None) -> int:
         self._close_backward_step()
-        self._fetch_loader = self._loader_key(source)
+        self._fetch_loader = loader
         self.evals.fetch_begin(self, self._fetch_loader, self._clock())
         self.in_fetch = True
         self._enter("data_wait")
@@ -710,13 +722,15 @@ class Tracker:
         raise StopRun()
 
     def _measure_ceiling(self) -> None:
-        """`stepscope doctor`: the measured steps are done; iterate the loader that fed them alone for a few
-        batches (its ceiling), while every hook passes through."""
+        """`stepscope doctor`: the measured steps are done; iterate the loader the steps waited on most (its
+        fetches took the most time outside validation passes) alone for a few batches (its ceiling), while every
+        hook passes through. Not the one that gave most batches: loaders fetched in turn give as many each, and a
+        prefetcher's slowest loader gives fewest, ahead of the steps by less than the others."""
         batches = self.config.ceiling_batches
         states = [s for s in self._loaders.values() if s.info.batches > 0]
         if not batches or not states:
             return
-        state = max(states, key=lambda s: s.info.batches)
+        state = max(states, key=lambda s: s.info.step_fetch_s)
         loader = state.loader()
         if loader is None:
             return
