@@ -96,7 +96,21 @@ def test_samples_per_s_counts_only_steps_with_a_batch_size(clock):
         scope.step(batch_size=batch)
     s = scope.summary()
     assert s.throughput.steps_per_s == approx(3 / 0.3)
-    assert s.throughput.samples_per_s == approx(40 / 0.2)  # two sampled steps of 100 ms
+    assert s.throughput.samples_per_s == approx(20 * 3 / 0.3)  # 20 samples a sampled step, at every step's pace
+
+
+def test_samples_per_s_is_the_sampled_steps_batch_at_every_steps_pace(clock):
+    # A loader cycled by itertools.cycle fetches (and reports a batch) in its first pass only, and those steps are
+    # the slow ones: the others process a batch as large, faster. Read as the rate of the sampled steps' own time,
+    # 8 samples in 100 ms, it was 80 samples/s against the 128 the steps processed.
+    scope = Scope(clock=clock, warmup=0, timing="host")
+    for batch, ms in ((8, 100), (None, 50), (None, 50), (None, 50)):
+        with scope.phase("forward"):
+            clock.advance(ms)
+        scope.step(batch_size=batch)
+    s = scope.summary()
+    assert s.throughput.steps_per_s == approx(4 / 0.25)
+    assert s.throughput.samples_per_s == approx(8 * 4 / 0.25)
 
 
 def test_samples_per_s_is_none_without_batch_size(clock):
