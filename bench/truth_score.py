@@ -59,6 +59,7 @@ class OwnFigures:
     phases: dict[str, float]  # mean ms per step: the spans, and other = the rest of the step
     injected: dict[str, float]  # mean ms per step of each injected cost, as spent
     loader_wait: dict[str, float]  # mean data_wait ms per step, per Dataset class
+    samples: float = 0.0  # mean training samples per step
 
     @property
     def step_rate(self) -> float:
@@ -101,6 +102,7 @@ class Expectation:
     secondary: dict[str, float] = field(default_factory=dict)  # injected causes with a fix: kind -> share
     step_rate: float = 0.0
     wall_rate: float = 0.0
+    sample_rate: float = 0.0  # the job's: every rank's samples a step at the slowest rank's step rate
 
 
 @dataclass
@@ -148,6 +150,7 @@ def own_figures(records: list[dict[str, Any]], warmup: int, measured: int, rank:
         phases={p: per_step.get(p, 0.0) for p in (*STEP_PHASES, "other")},
         injected={k: v * 1e3 / measured for k, v in injected.items()},
         loader_wait={k.split(":", 1)[1]: v for k, v in per_step.items() if k.startswith("data_wait:")},
+        samples=sum(rec.get("samples", 0) for rec in window) / measured,
     )
 
 
@@ -315,6 +318,7 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         secondary=_injected_causes(spec, lead),
         step_rate=min(o.step_rate for o in own),
         wall_rate=min(o.wall_rate for o in own),
+        sample_rate=sum(o.samples for o in own) * min(o.step_rate for o in own),
     )
 
 
@@ -349,21 +353,31 @@ def _rank_rows(summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 def _phase_ms(row: dict[str, Any], phase: str) -> float:
+    """A phase's time per measured step (ms), as the script's own figures are: ``mean_ms`` is over the steps in
+    which the phase ran (a cycled loader's data_wait: its first pass only)."""
     stats = row.get("phases", {}).get(phase)
-    return float(stats["mean_ms"]) if stats else 0.0
+    if not stats:
+        return 0.0
+    measured = (row.get("steps") or {}).get("measured") or stats["steps"]
+    return float(stats["mean_ms"]) * stats["steps"] / max(measured, 1)
 
 
 def score_rate(summary: dict[str, Any], exp: Expectation) -> Score:
-    """Score 1: the step rate (and the wall rate, when the summary has one) within ±5% of the script's own."""
+    """Score 1: the step rate, the sample rate (and the wall rate, when the summary has one) within ±5% of the
+    script's own."""
     thr = summary.get("throughput") or {}
     got = thr.get("steps_per_s")
     problems = []
     if got is None or not _within(got, exp.step_rate, RATE_TOL):
         problems.append(f"steps_per_s {got} vs own {exp.step_rate:.2f}")
+    samples = thr.get("samples_per_s")
+    if exp.sample_rate and (samples is None or not _within(samples, exp.sample_rate, RATE_TOL)):
+        problems.append(f"samples_per_s {samples} vs own {exp.sample_rate:.1f}")
     wall = thr.get("wall_steps_per_s")
     if wall is not None and not _within(wall, exp.wall_rate, RATE_TOL):
         problems.append(f"wall_steps_per_s {wall:.2f} vs own {exp.wall_rate:.2f}")
     shown = f"steps/s {got if got is None else round(got, 2)} vs own {exp.step_rate:.2f}"
+    shown += f"; samples/s {samples if samples is None else round(samples, 1)} vs own {exp.sample_rate:.1f}"
     if wall is not None:
         shown += f"; wall {wall:.2f} vs own {exp.wall_rate:.2f}"
     return Score("steps/s", WRONG if problems else RIGHT, "; ".join(problems) or shown)
@@ -468,7 +482,7 @@ def score_fix(summary: dict[str, Any], exp: Expectation, script: str) -> Score:
 
 
 def _invariants_of(row: dict[str, Any], who: str) -> list[str]:
-    """Shares ≤ 100%, phase means ≤ the step mean, top-level phase means adding up to it (1%)."""
+    """Shares ≤ 100%, phase time per measured step ≤ the step mean, top-level phases adding up to it (1%)."""
     phases = row.get("phases") or {}
     total = phases.get("total")
     if not total:
@@ -478,8 +492,9 @@ def _invariants_of(row: dict[str, Any], who: str) -> list[str]:
     for name, p in phases.items():
         if p["share"] > 1.005:
             broken.append(f"{who}: {name} share {p['share']:.3f} > 1")
-        if name != "total" and p["mean_ms"] > step * 1.005 + 0.01:
-            broken.append(f"{who}: {name} mean {p['mean_ms']:.2f} > step {step:.2f}")
+        per_step = p["mean_ms"] * p["steps"] / measured
+        if name != "total" and per_step > step * 1.005 + 0.01:
+            broken.append(f"{who}: {name} {per_step:.2f} ms a step > step {step:.2f}")
     top = sum(p["mean_ms"] * p["steps"] for n, p in phases.items() if n != "total" and not p["nested"]) / measured
     if abs(top - step) > 0.01 * step + 0.01:
         broken.append(f"{who}: top-level phases add up to {top:.2f} ms, step {step:.2f}")

@@ -45,7 +45,8 @@ MAX_STEPS = int(os.environ.get("TRUTH_MAX_STEPS", "0"))  # a plain run's length 
 
 class Truth:
     """The script's own clock, one record per optimizer step: its end time, the time spent in validation since
-    the previous step's end, each phase's calls (spans) and the injected costs as spent."""
+    the previous step's end, each phase's calls (spans), the injected costs as spent and the training samples the
+    step's micro-batches held."""
 
     def __init__(self, path):
         self.path = path
@@ -53,6 +54,7 @@ class Truth:
         self.val_s = 0.0
         self.spans = {{}}
         self.injected = {{}}
+        self.samples = 0
         self.in_val = False
 
     def span(self, key, seconds):
@@ -63,8 +65,9 @@ class Truth:
         self.injected[key] = self.injected.get(key, 0.0) + seconds
 
     def end_step(self):
-        self.records.append({{"t": clock(), "val_s": self.val_s, "spans": self.spans, "injected": self.injected}})
-        self.val_s, self.spans, self.injected = 0.0, {{}}, {{}}
+        record = {{"t": clock(), "val_s": self.val_s, "spans": self.spans, "injected": self.injected}}
+        self.records.append({{**record, "samples": self.samples}})
+        self.val_s, self.spans, self.injected, self.samples = 0.0, {{}}, {{}}, 0
 
     def dump(self):
         if os.getpid() == MAIN_PID:  # not in a loader worker
@@ -310,11 +313,19 @@ def _loader_line(spec: CaseSpec, i: int, ld: LoaderSpec) -> str:
         per_batch = f"({per_batch} + EXTRA_MS)"
     busy = bool(ld.cost and ld.cost.busy)
     sample = f"{per_batch} / {ld.batch}" if ld.where == "getitem" else "0.0"
-    dataset = f"{ld.name}({sample}, {busy})" if ld.iterable else f"{ld.name}(8192, {sample}, {busy})"
+    length = ld.batch * spec.cycle_batches if spec.cycle_batches else 8192
+    dataset = f"{ld.name}({sample}, {busy})" if ld.iterable else f"{ld.name}({length}, {sample}, {busy})"
     args = [dataset, f"batch_size={ld.batch}", f"num_workers={ld.workers}"]
     if ld.where == "collate":
         args.append(f"collate_fn=SlowCollate({per_batch}, {busy})")
     return f"        DataLoader({', '.join(args)}),"
+
+
+def _iterate(spec: CaseSpec) -> str:
+    """How the loop gets a loader's batches: its iterator, a prefetcher's hand-over, or itertools.cycle."""
+    if spec.prefetch:
+        return "Prefetched(loader)"
+    return "itertools.cycle(loader)" if spec.cycle_batches else "iter(loader)"
 
 
 def _setup(spec: CaseSpec) -> list[str]:
@@ -327,7 +338,7 @@ def _setup(spec: CaseSpec) -> list[str]:
     out += [
         "    ]",
         f"    names = {[ld.name for ld in spec.loaders]!r}",
-        f"    iters = [{'Prefetched(loader)' if spec.prefetch else 'iter(loader)'} for loader in loaders]",
+        f"    iters = [{_iterate(spec)} for loader in loaders]",
         "    model = Net()",
     ]
     if spec.ranks > 1:
@@ -376,6 +387,7 @@ def _micro_batch(spec: CaseSpec) -> list[str]:
         ]
     else:
         out.append(f"{ind}x, y = fetch(iters[micro % len(iters)], names[micro % len(iters)])")
+    out.append(f"{ind}TRUTH.samples += len(x)")
     if spec.side and spec.side.where == "before":
         out += [
             f"{ind}start = clock()",
@@ -464,6 +476,8 @@ def write_script(spec: CaseSpec) -> Script:
     extra_imports = "import logging\n" if spec.log == "logging" else ""
     if spec.prefetch:
         extra_imports += "import queue\nimport threading\n"
+    if spec.cycle_batches:
+        extra_imports += "import itertools\n"
     torch_imports = ""
     if spec.ranks > 1:
         torch_imports = "import torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel\n"

@@ -22,6 +22,7 @@ MAP_NAMES = ("ImagesDataset", "CaptionsDataset", "PointsDataset")
 ITERABLE_NAMES = ("TokensStream", "SensorStream", "ClicksStream")
 VAL_NAME = "HeldOutDataset"
 PREFETCH_SHARE = 0.15  # of the cases whose loaders a prefetcher thread iterates (prefetch_generator's pattern)
+CYCLE_SHARE = 0.15  # of the cases whose short map-style loaders are iterated through itertools.cycle
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ class CaseSpec:
     loaders: list[LoaderSpec] = field(default_factory=lambda: [LoaderSpec(MAP_NAMES[0])])
     fetch: str = "each"  # "each": one batch from every loader per micro-batch; "alternate": one loader in turn
     prefetch: bool = False  # each loader iterated by a thread of its own that hands its batches over in a queue
+    # >0: the map-style loaders hold this many batches and are iterated through itertools.cycle, which fetches in its
+    # first pass only and hands the batches it kept over again after it
+    cycle_batches: int = 0
     accum: int = 1  # micro-batches per optimizer step
     forward: Cost | None = None
     backward: Cost | None = None
@@ -116,6 +120,8 @@ class CaseSpec:
             parts.append(f"fetch={self.fetch}")
         if self.prefetch:
             parts.append("prefetch=thread")
+        if self.cycle_batches:
+            parts.append(f"cycle={self.cycle_batches}batches")
         if self.accum > 1:
             parts.append(f"accum={self.accum}")
         for name in ("forward", "backward", "optimizer", "other"):
@@ -229,6 +235,13 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
     # oversubscribed cause: its main thread's wait for the cores its workers hold is the loader's (issue 24).
     prefetch = random.Random(f"truth:{seed}:{index}:prefetch").random() < PREFETCH_SHARE
     spec.prefetch = prefetch and spec.cause != "oversubscribed"
+    cycle = random.Random(f"truth:{seed}:{index}:cycle")
+    finite = not any(ld.iterable for ld in spec.loaders)  # an endless stream's first pass never ends
+    if cycle.random() < CYCLE_SHARE and finite and not spec.prefetch and spec.cause != "oversubscribed":
+        # The pass ends in the warm-up (its first 1-4 steps): every measured step replays kept batches. A step
+        # that fetches some of its batches and replays others reads its samples short (docs/run.md, limits).
+        per_step = spec.accum if spec.fetch == "each" else spec.accum / len(spec.loaders)
+        spec.cycle_batches = max(1, round(cycle.randint(1, spec.warmup - 1) * per_step))
     if spec.optimizer is not None or (spec.straggler and spec.straggler.phase == "optimizer"):
         spec.optimizer_style = rng.choice(("subclass", "wrapper"))
     if rng.random() < 0.3:

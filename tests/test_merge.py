@@ -156,3 +156,16 @@ def test_a_small_earlier_difference_is_not_named_over_the_phase_that_holds_the_j
     straggler = find_straggler(ranks)
     assert (straggler.rank, straggler.phase) == (0, "forward")
     assert straggler.excess_ms == pytest.approx(10.8)
+
+
+def test_a_phase_in_some_steps_only_is_compared_per_step_not_per_occurrence():
+    # Rank 0 reads its loss every 10th step for 10 ms, rank 1 every step for 1 ms: 1 ms a step on both. Compared by
+    # the mean over the steps each ran it in (10 against 1 ms), rank 0 was a 9 ms straggler in sync.
+    ranks = [rank(r, {"data_wait": 2.0, "forward": 10.0, "backward": 20.0, "sync": 1.0}) for r in range(2)]
+    sync = ranks[0].phases["sync"]
+    ranks[0].phases["sync"] = PhaseStats(10.0, 10.0, 10.0, sync.share, steps=2)
+    assert find_straggler(ranks) is None
+    ranks[0].phases["sync"] = PhaseStats(40.0, 40.0, 40.0, 4 * sync.share, steps=2)  # 4 ms a step: 3 ms above
+    straggler = find_straggler(ranks)
+    assert (straggler.rank, straggler.phase) == (0, "sync")
+    assert straggler.excess_ms == pytest.approx(3.0)

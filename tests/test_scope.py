@@ -113,6 +113,16 @@ def test_samples_per_s_is_the_sampled_steps_batch_at_every_steps_pace(clock):
     assert s.throughput.samples_per_s == approx(8 * 4 / 0.25)
 
 
+def test_samples_per_s_takes_the_warm_ups_batch_when_no_measured_step_reported_one(clock):
+    # A cycled loader whose only pass ended in the warm-up: every measured step replays a kept batch of 8.
+    scope = Scope(clock=clock, warmup=2, timing="host")
+    for batch in (8, 8, None, None):
+        with scope.phase("forward"):
+            clock.advance(50)
+        scope.step(batch_size=batch)
+    assert scope.summary().throughput.samples_per_s == approx(8 * 2 / 0.1)
+
+
 def test_samples_per_s_is_none_without_batch_size(clock):
     scope = Scope(clock=clock, warmup=0, timing="host")
     for _ in range(3):

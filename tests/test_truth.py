@@ -22,7 +22,7 @@ from run_helpers import cli_here
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import truth
-from truth_score import RIGHT, WRONG, OwnFigures, score_fix, score_invariants, score_phases
+from truth_score import RIGHT, WRONG, OwnFigures, score_fix, score_invariants, score_phases, score_rate
 from truth_spec import Cost, LoaderSpec, StragglerSpec
 
 
@@ -178,3 +178,15 @@ def test_a_stragglers_excess_is_the_bound_only_while_its_group_leads_the_straggl
     assert expectation(5.0).bound_ok == ["compute", "host"]
     assert expectation(5.0).bound_why.startswith("rank 1's own step (the job's) is 66% compute, host 5.0 ms with")
     assert expectation(5.0).straggler_group == "host"  # a fix aimed at the straggler still names its rank
+
+
+def test_a_sample_rate_off_by_more_than_5_percent_is_wrong() -> None:
+    # The mission's first example: a job's samples/s overstated several-fold while its steps/s was right.
+    own = [_own(0, 0)]
+    own[0].samples = 8.0
+    exp = truth.expect(truth.CaseSpec("t", 0, 0), own, {"checkpoint": None, "log": None})
+    assert exp.sample_rate == pytest.approx(8.0 * exp.step_rate)
+    right = {"steps_per_s": exp.step_rate, "samples_per_s": 8.0 * exp.step_rate}
+    assert score_rate({"throughput": right}, exp).status == RIGHT
+    assert score_rate({"throughput": {**right, "samples_per_s": 3 * right["samples_per_s"]}}, exp).status == WRONG
+    assert score_rate({"throughput": {**right, "samples_per_s": None}}, exp).status == WRONG

@@ -267,6 +267,8 @@ class Recorder:
     nested: set[str] = field(default_factory=set)
     samples: int = 0
     sampled_steps: int = 0  # measured steps that reported a batch size
+    warmup_samples: int = 0  # the same over the warm-up steps: the batch size when no measured step fetched one
+    warmup_sampled_steps: int = 0
     gpu_excess_ns: int = 0  # over the measured steps: the GPU's time beyond the host's (StepRecord.gpu_excess_ns)
     _queued_ns: int = 0  # the host's time in the steps with device time so far: when it finished queueing them
     _gpu_done_ns: int = 0  # when the GPU finished them, on the same time line
@@ -335,6 +337,9 @@ class Recorder:
             self._unfolded.append(record)
             if len(self._unfolded) >= self.fold_every:
                 self.fold()
+        elif record.samples is not None:
+            self.warmup_samples += record.samples
+            self.warmup_sampled_steps += 1
 
     def add_device(self, record: StepRecord, device_s: dict[str, float], span_s: float = 0.0) -> None:
         """Attach a step's device seconds once its events completed (possibly several steps later), with the GPU's
@@ -466,7 +471,14 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
     # Samples per step where a step reported them, at every step's pace: the steps that fetched are no sample of
     # the others' time (a loader cycled by itertools.cycle fetches in its first pass only, and those steps are the
     # slow ones: read as the rate of their own time, it was 15% low)
-    samples_per_step = recorder.samples / recorder.sampled_steps if recorder.sampled_steps else None
+    # No measured step reported one where a loader cycled by itertools.cycle ended its only pass in the warm-up:
+    # the warm-up's batches are then the steps' samples
+    if recorder.sampled_steps:
+        samples_per_step: float | None = recorder.samples / recorder.sampled_steps
+    elif recorder.warmup_sampled_steps:
+        samples_per_step = recorder.warmup_samples / recorder.warmup_sampled_steps
+    else:
+        samples_per_step = None
     summary.throughput = Throughput(
         steps_per_s=steps_per_s,
         samples_per_s=None if samples_per_step is None or steps_per_s is None else samples_per_step * steps_per_s,

@@ -157,8 +157,10 @@ class EvalDetector:
             moved={"data_wait": sum(f.ns for f in moved)} if moved else None,
             moved_start_ns=min((f.start_ns for f in moved), default=None),
         )
+        # Kept as a pass or given back as too short for one, this step had a stretch of evaluation: work that
+        # recurs every step (a metric, a teacher) is step work, also in a step where a validation pass follows it
+        self._side_now = True
         if keep:
-            self._side_now = True
             self._forwards_now += self.forwards
         else:
             tracker.give_to_step(self.forwards, self.batches, self.samples)
