@@ -540,13 +540,20 @@ def _stragglers(ranks: list[RankTrace]) -> list[dict[str, Any]]:
 
 def job_verdict(ranks: list[RankTrace], late: list[dict[str, Any]] | None = None) -> Verdict:
     """The verdict of most ranks of one job, with the first such rank's evidence; but when the ranks lose at least
-    15% of their time waiting in collectives for a late rank (``late``: `late_ranks`), that rank decides it."""
+    15% of their time waiting in collectives for a late rank (``late``: `late_ranks`), that rank decides it: its
+    step is the job's. Its cause (what it did while the others waited) is the bound unless another bound leads the
+    late rank's own trace; then that one is, with the late rank named after it, as `stepscope run` names a
+    straggler whose excess is not what leads its step (doctor/verdict.py, ``job_verdict``)."""
     if not ranks:
         return Verdict("unknown", "low", ["nothing could be analysed"])
     if len({r.job for r in ranks}) > 1:
         return Verdict("unknown", "low", ["several jobs: see each rank's verdict"])
     for found in late or []:
         if found["wait_pct"] >= LOSS_FLOOR_PCT:
+            own = next((r.verdict for r in ranks if r.rank == found["rank"]), None)
+            if own is not None and own.bound not in (found["cause"], "unknown"):
+                lines = [f"rank {found['rank']}: {line}" for line in own.evidence]
+                return Verdict(own.bound, own.confidence, [*lines, *found["evidence"]])
             confidence = (
                 "high" if found["wait_pct"] >= 25 and found["cause_ms"] > 2 * found["others_cause_ms"] else "medium"
             )
