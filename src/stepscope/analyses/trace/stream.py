@@ -25,8 +25,10 @@ import numpy as np
 import orjson
 
 CHUNK_BYTES = 8 << 20  # decompressed bytes per parse: large enough to amortise numpy calls, small enough for caches
+HEAD_BYTES = 64 << 10  # searched for the start of traceEvents before the whole first chunk
 GZIP_MAGIC = b"\x1f\x8b"
 _QUOTE, _OPEN, _CLOSE = 0x22, 0x7B, 0x7D  # '"' and, once OR-ed with 0x20, '{' / '[' and '}' / ']'
+_SEPARATORS = b", \t\r\n"  # what may come between two events of the array
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*$')
 
 
@@ -107,11 +109,17 @@ def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 def _events_start(buf: bytes) -> int:
     """Offset just after the ``[`` of the top-level ``traceEvents`` array, or -1 when ``buf`` does not reach it."""
-    brackets, depth = _structure(buf)
-    # the array's bracket takes the depth from 1 (inside the top-level object) to 2
-    for pos in brackets[depth == 2]:
-        if buf[pos] == 0x5B and _EVENTS_KEY.search(buf, max(0, pos - 64), pos):
-            return int(pos) + 1
+    # Kineto writes the array after a few kB of metadata: scanning a prefix first spares a scan of a whole chunk.
+    # A bracket's depth depends only on the bytes before it, so a prefix finds what the whole buffer would.
+    for size in (HEAD_BYTES, len(buf)):
+        head = buf[:size]
+        brackets, depth = _structure(head)
+        # the array's bracket takes the depth from 1 (inside the top-level object) to 2
+        for pos in brackets[depth == 2]:
+            if head[pos] == 0x5B and _EVENTS_KEY.search(head, max(0, pos - 64), pos):
+                return int(pos) + 1
+        if size >= len(buf):
+            break
     return -1
 
 
@@ -170,11 +178,33 @@ def _counted(chunks: Iterator[bytes], trace: TraceFile) -> Iterator[bytes]:
         yield chunk
 
 
-def _decode_run(pending: bytes, end: int, decode: Decode) -> list[Any]:
-    start = 0
-    while start < end and pending[start] in b", \t\r\n":  # the comma left by the previous cut
+def _decode_run(pending: bytearray, end: int, decode: Decode) -> list[Any]:
+    """Decode the events in ``pending[:end]`` as one JSON array, without copying them.
+
+    ``pending`` starts with at least one separator (the array's ``[``, or the comma or blank left by the previous
+    cut): the last separator before the first event becomes ``[`` and the byte at ``end`` becomes ``]`` while the
+    decoder reads, and both are put back.
+    """
+    start = 1
+    while start < end and pending[start] in _SEPARATORS:
         start += 1
-    return decode(b"[" + pending[start:end] + b"]")
+    if end == len(pending):
+        pending.append(0x20)
+    before, after = pending[start - 1], pending[end]
+    pending[start - 1], pending[end] = 0x5B, 0x5D
+    try:
+        with memoryview(pending) as view, view[start - 1 : end + 1] as run:
+            return decode(run)
+    finally:
+        pending[start - 1], pending[end] = before, after
+
+
+def _drop(pending: bytearray, cut: int) -> None:
+    """Drop the decoded ``pending[:cut]``, leaving one separator in front of what follows (see `_decode_run`)."""
+    if cut < len(pending) and pending[cut] in _SEPARATORS:
+        del pending[:cut]  # from the front of a bytearray: no copy
+    else:
+        pending[:cut] = b" "
 
 
 def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Iterator[list[Any]]:
@@ -190,7 +220,9 @@ def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Ite
             break
     if start < 0:
         _refuse(header)
-    pending, header = header[start:], header[: start - 1]
+    # a bytearray, so that runs are decoded in place and cuts are cheap; a blank stands for the "[" (see _decode_run)
+    pending, header = bytearray(header[start - 1 :]), header[: start - 1]
+    pending[0] = 0x20
     trailer = None
     for chunk in itertools.chain([b""], chunks, [None]):  # None: the file has ended, cut exactly what is left
         if chunk is not None:
@@ -207,7 +239,7 @@ def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Ite
                 if events is not None:
                     trace.events += len(events)
                     yield events
-                    pending = pending[cheap:]
+                    _drop(pending, cheap)
                     continue
         last, count, end_at = _split_events(pending)
         if count:
@@ -215,9 +247,9 @@ def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Ite
             trace.events += len(events)
             yield events
         if end_at >= 0:
-            trailer = pending[end_at + 1 :]
+            trailer = bytes(pending[end_at + 1 :])
             break
-        pending = pending[last:]
+        _drop(pending, last)
     if trailer is None:
         raise TraceReadError(f"the file ends inside traceEvents after {trace.events:,} events (truncated)")
     trailer += b"".join(chunks)
