@@ -274,7 +274,7 @@ def _hidden_collectives(trace: TraceEvents, dev: bd.DeviceTime) -> str | None:
     if not rows.any():
         return None
     spent_ms = float((dev.end[rows] - dev.ts[rows]).sum()) / 1000
-    names = sorted({trace.names[i] for i in np.unique(dev.name[rows])})
+    names = sorted({trace.names[i] for i in set(dev.name[rows].tolist())})
     return (
         f"{int(rows.sum())} kernel(s) look like collectives outside NCCL ({spent_ms:.2f} ms, e.g. {names[0][:60]}): "
         "HTA's definition counts them as computation, and so do these figures"
