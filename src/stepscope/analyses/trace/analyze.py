@@ -22,6 +22,7 @@ from stepscope.analyses.trace import breakdown as bd
 from stepscope.analyses.trace.collectives import RankCollectives, late_ranks, rank_collectives
 from stepscope.analyses.trace.events import TraceEvents, read_trace, trace_files
 from stepscope.analyses.trace.ops import OpStat, top_ops
+from stepscope.analyses.trace.shares import usable_cores
 from stepscope.analyses.trace.steps import step_marks
 from stepscope.analyses.trace.stream import TraceReadError
 from stepscope.instrument.profile import RANGE_PREFIX
@@ -186,14 +187,15 @@ class RankReduction:
 
 
 def reduce_file(
-    path: Path, wanted: frozenset[int] | None, top: int, job_step_names: int | None = None
+    path: Path, wanted: frozenset[int] | None, top: int, job_step_names: int | None = None, processes: int = 1
 ) -> RankReduction:
     """Read one trace and analyse it as its rank (`analyze_rank`), keeping only the result; ``job_step_names``: the
     job's distinct ProfilerStep names when known, else the rank's own (`analyze_trace` re-reduces the rare rank for
-    which that changes the window). Unreadable files come back with the reason."""
+    which that changes the window); ``processes``: that may read a large file together (`read_trace`). Unreadable
+    files come back with the reason."""
     begin = time.perf_counter()
     try:
-        trace = read_trace(path)
+        trace = read_trace(path, processes)
     except (TraceReadError, OSError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         return RankReduction(TraceFileStatus(str(path), False, reason, read_s=time.perf_counter() - begin))
@@ -219,13 +221,13 @@ def _reduce_all(
     if jobs != 1 and len(paths) > 1 and sum(_size(p) for p in paths) >= PARALLEL_MIN_BYTES:
         from concurrent.futures import ProcessPoolExecutor
 
-        from stepscope.collectors.host import usable_cores
-
         workers = min(jobs or usable_cores(), len(paths))
         if workers > 1:
             with ProcessPoolExecutor(max_workers=workers) as pool:
                 return list(pool.map(reduce_file, paths, repeat(wanted), repeat(top))), workers
-    return [reduce_file(p, wanted, top) for p in paths], 1
+    # one file at a time: a large one may be read by two processes (the parallelism is within the file)
+    processes = min(2, jobs or usable_cores())
+    return [reduce_file(p, wanted, top, processes=processes) for p in paths], 1
 
 
 def _size(path: Path) -> int:

@@ -36,6 +36,10 @@ class TraceReadError(ValueError):
     """A file that cannot be read as a Kineto trace, with the reason in one sentence."""
 
 
+class SplitError(Exception):
+    """A run cut the cheap way did not decode while the file was read in shares: it must be read alone."""
+
+
 @dataclass
 class TraceFile:
     """What lies outside ``traceEvents``: the trace's metadata (``distributedInfo``, ``deviceProperties``, ...)."""
@@ -151,11 +155,17 @@ def iter_events(path: str | Path, trace: TraceFile | None = None) -> Iterator[li
     return iter_decoded(path, orjson.loads, trace)
 
 
-def iter_decoded(path: str | Path, decode: Decode, trace: TraceFile | None = None) -> Iterator[list[Any]]:
+def iter_decoded(
+    path: str | Path, decode: Decode, trace: TraceFile | None = None, share: tuple[int, int] = (0, 1)
+) -> Iterator[list[Any]]:
     """Like `iter_events`, with ``decode`` turning each JSON array of complete events into a list.
 
     ``decode`` must raise ValueError (orjson's and msgspec's errors are ValueErrors) on bytes that are not a valid
     array: a cut point found the cheap way is checked by decoding it, and found again the exact way when it fails.
+
+    ``share`` (k, n): decode only the runs k, k + n, k + 2n, ... of the file (all n readers cut it at the same
+    places), so that n processes can read one file together. The other runs' cheap cuts are not checked: a reader
+    whose own cheap cut does not decode raises `SplitError`, and the file must then be read alone.
     """
     path = Path(path)
     trace = trace if trace is not None else TraceFile(path)
@@ -163,10 +173,10 @@ def iter_decoded(path: str | Path, decode: Decode, trace: TraceFile | None = Non
         compressed = handle.read(2) == GZIP_MAGIC
         handle.seek(0)
         try:
-            yield from _parse(_chunks(handle, compressed), trace, decode)
+            yield from _parse(_chunks(handle, compressed), trace, decode, share)
         except (zlib.error, EOFError) as error:
             raise TraceReadError(f"the gzip data is corrupt ({error})") from None
-        except TraceReadError:
+        except (TraceReadError, SplitError):
             raise
         except ValueError as error:  # the decoder's
             raise TraceReadError(f"the JSON is malformed ({error})") from None
@@ -207,8 +217,12 @@ def _drop(pending: bytearray, cut: int) -> None:
         pending[:cut] = b" "
 
 
-def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Iterator[list[Any]]:
+def _parse(
+    raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode, share: tuple[int, int]
+) -> Iterator[list[Any]]:
     chunks = _counted(raw_chunks, trace)
+    mine, readers = share
+    run = 0  # runs cut so far, decoded by this reader or not
     header = b""
     start = -1
     for chunk in chunks:
@@ -227,25 +241,34 @@ def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Ite
     for chunk in itertools.chain([b""], chunks, [None]):  # None: the file has ended, cut exactly what is left
         if chunk is not None:
             pending += chunk
-            # Cheap cut: Kineto ends each event with "}," (its args, the last key, close with "}" and a newline);
-            # a cut there that decodes is a real boundary, since a prefix of the array is valid JSON only between
-            # events. The exact scan runs when that fails, and once the file has ended.
-            cheap = pending.rfind(b"},") + 1
+            # Cheap cut: Kineto ends each event with "}," and a newline (its args, the last key, close with "}" and
+            # a newline), which no string holds (kernel names hold "},"); a cut there that decodes is a real
+            # boundary, since a prefix of the array is valid JSON only between events. "}," alone serves traces
+            # written on one line. The exact scan runs when that fails, and once the file has ended.
+            cheap = (pending.rfind(b"},\n") + 1) or (pending.rfind(b"},") + 1)
             if cheap > 0:
-                try:
-                    events = _decode_run(pending, cheap, decode)
-                except ValueError:
-                    events = None
+                events = []  # another reader's run
+                if run % readers == mine:
+                    try:
+                        events = _decode_run(pending, cheap, decode)
+                    except ValueError:
+                        if readers > 1:
+                            raise SplitError from None
+                        events = None
                 if events is not None:
-                    trace.events += len(events)
-                    yield events
+                    if run % readers == mine:
+                        trace.events += len(events)
+                        yield events
+                    run += 1
                     _drop(pending, cheap)
                     continue
         last, count, end_at = _split_events(pending)
         if count:
-            events = _decode_run(pending, last, decode)
-            trace.events += len(events)
-            yield events
+            if run % readers == mine:
+                events = _decode_run(pending, last, decode)
+                trace.events += len(events)
+                yield events
+            run += 1
         if end_at >= 0:
             trailer = bytes(pending[end_at + 1 :])
             break
