@@ -10,16 +10,16 @@ dies) gives up, and the caller reads the file alone, which finds the same events
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import queue
-import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stepscope.analyses.trace.stream import Decode, TraceFile, iter_decoded
+
+if TYPE_CHECKING:
+    import queue
+    from multiprocessing.connection import Connection
 
 R = TypeVar("R")
 
@@ -34,6 +34,11 @@ def read_in_shares(
     """Read ``path`` with a forked child: ``collect`` turns each decoded run into a result (picklable), and
     ``merge`` gets the results of all runs in file order. ``trace`` gets the metadata and the events of both.
     Returns False, having merged any number of runs, when the file must be read alone instead."""
+    # imported here: multiprocessing and queue cost ~15 ms, which a small trace's reading does not need
+    import multiprocessing
+    import queue
+    import threading
+
     context = multiprocessing.get_context("fork")  # the child starts with everything imported: ~10 ms
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(send, path, decode, collect), daemon=True)
