@@ -123,3 +123,8 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def idle_cores() -> float:
+    """Usable cores less the 1-minute load average (which counts this process, when it has been running)."""
+    return usable_cores() - os.getloadavg()[0]
