@@ -571,7 +571,8 @@ def analyze_trace(
     """Analyse Kineto traces: a file, a folder (one job, a file per rank), or several of them.
 
     ``ranks`` keeps only those ranks; ``top`` kernels are listed per rank; ``jobs`` processes read files in
-    parallel (0: one per usable core). Unreadable files are listed with their reason in ``files``.
+    parallel (0: one per usable core), or two a file of 64 MB of JSON or more when the files are read one at a time
+    (0: when a core is idle; 1: never). Unreadable files are listed with their reason in ``files``.
     """
     begin = time.perf_counter()
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
