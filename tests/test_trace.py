@@ -28,11 +28,13 @@ import pytest
 from kineto import ORIGIN_US, Kineto
 
 from stepscope.analyses.trace import breakdown as bd
+from stepscope.analyses.trace import events as events_module
 from stepscope.analyses.trace import highlights as highlights_module
 from stepscope.analyses.trace import stream
 from stepscope.analyses.trace.analyze import DATALOADER, DEFINITIONS, RankTrace, TraceAnalysis, analyze_trace
 from stepscope.analyses.trace.events import TraceEvents, rank_of, read_trace, trace_files
 from stepscope.analyses.trace.highlights import highlights, trace_highlights
+from stepscope.analyses.trace.shares import read_in_shares
 from stepscope.analyses.trace.stream import TraceFile, TraceReadError, iter_events
 from stepscope.cli import main
 from stepscope.summary import RunSummary
@@ -274,6 +276,54 @@ def test_stream_reads_a_real_trace_split_into_gzip_members(tmp_path, no_gc):
     expected = json.loads(raw)
     assert len(events) == len(expected["traceEvents"]) and events == expected["traceEvents"]
     assert info.bytes_read == len(raw)
+
+
+def columns_of(trace: TraceEvents) -> dict[str, Any]:
+    """Everything `read_trace` found, with arrays as lists (to compare two reads with one assert)."""
+    kinds = ("device", "runtime", "cpu", "gpu_annotations")
+    found = {kind: {k: v.tolist() for k, v in getattr(trace, kind).items()} for kind in kinds}
+    fields = ("names", "events", "bytes_read", "origin_us", "rounded", "device_type", "rank", "meta")
+    return found | {name: getattr(trace, name) for name in fields}
+
+
+@pytest.mark.parametrize(
+    "relative",
+    [
+        "nccl_parser_config/nccl_data.json.gz",
+        "mtia_trace_single_rank/mtia_rank_0.json.gz",
+        "call_stack/backward_thread.json",
+    ],
+)
+def test_two_processes_read_what_one_reads(relative, monkeypatch, small_chunks, no_gc):
+    """The parent and a forked child each decode every other run: merged in order, the columns, names (in the order
+    of their first kept event), counts and metadata are one reader's."""
+    path = hta_file(relative)
+    monkeypatch.setattr(events_module, "SHARED_MIN_BYTES", 0)
+    small_chunks(1 << 20)  # many runs for each process
+    shared = []
+    monkeypatch.setattr(events_module, "read_in_shares", lambda *a: shared.append(1) or read_in_shares(*a))
+    assert columns_of(read_trace(path, processes=2)) == columns_of(read_trace(path))
+    assert shared, "the shared read was not tried"
+
+
+def test_two_processes_give_up_and_read_alone_when_a_cheap_cut_fails(tmp_path, monkeypatch, small_chunks):
+    """One line and kernel names holding "},": a cheap cut lands inside a string. One reader then cuts exactly; two
+    readers cannot agree on the cut, so the file is read again by one, with the same result."""
+    trace = Kineto()
+    for i in range(400):
+        trace.kernel(f"void f<{{lambda(float)#{i}}}, at::Array<char*, 2>>(int)", 10.0 * i, 5.0, stream=7)
+    path = trace.write(tmp_path / "trace.json", layout="compact")
+    monkeypatch.setattr(events_module, "SHARED_MIN_BYTES", 0)
+    small_chunks(1024)
+    outcomes = []
+
+    def spy(*args: Any) -> bool:
+        outcomes.append(read_in_shares(*args))
+        return outcomes[-1]
+
+    monkeypatch.setattr(events_module, "read_in_shares", spy)
+    assert columns_of(read_trace(path, processes=2)) == columns_of(read_trace(path))
+    assert outcomes == [False]
 
 
 def _gz(data: bytes) -> bytes:

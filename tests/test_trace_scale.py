@@ -112,9 +112,9 @@ def test_each_trace_is_freed_before_the_next_is_read(job, monkeypatch):
     alive: list[weakref.ref] = []
     held_at_each_read = []
 
-    def tracked(path):
+    def tracked(path, *options):
         held_at_each_read.append(sum(ref() is not None for ref in alive))
-        trace = read_trace(path)
+        trace = read_trace(path, *options)
         alive.append(weakref.ref(trace))
         return trace
 

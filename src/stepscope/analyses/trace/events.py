@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import orjson
 
+from stepscope.analyses.trace.shares import json_bytes, read_in_shares
 from stepscope.analyses.trace.stream import TraceFile, TraceReadError, iter_decoded
 
 # Device events are the ones Kineto gives a stream: kernels, memory copies and sets, and waits on the GPU.
@@ -29,6 +30,8 @@ OTHER_DEVICE_KIND = 5
 SYNC_NAMES = {"Event Sync", "Context Sync"}  # device-level syncs, written on stream -1
 CPU_KINDS = {"cpu_op": 0, "user_annotation": 1, "operator": 0}
 HOST_KEPT = {*CPU_KINDS, "gpu_user_annotation"}  # the categories kept without a stream or a correlation
+SHARED_MIN_BYTES = 64 << 20  # JSON bytes from which two processes read a trace: below, the second one's memory
+# (~60-100 MB of RSS, counted twice for the libraries both map) is more than a small trace needs
 _FILE_RANK = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
@@ -96,6 +99,21 @@ class _Collector:
         self.gpu_annotations = Columns(("ts", "dur", "stream", "name"), "ddqi")
         self.categories: set[str] = set()
         self.fractional = False  # any timestamp not a whole µs (or missing): HTA then rounds them all
+
+    def merge(self, run: _Collector) -> None:
+        """Append the events of ``run`` (sorted on its own) as if they had been added here."""
+        names = array.array("i", map(self.name, run.names))  # interned in the order the run met them, as `add` does
+        for mine, theirs in zip(self.columns(), run.columns(), strict=True):
+            for key, column in mine.data.items():
+                values = theirs.data[key]
+                if key == "name" and len(values):
+                    values = array.array("i", np.asarray(names)[np.frombuffer(values, dtype=np.intc)].tobytes())
+                column.extend(values)
+        self.categories |= run.categories
+        self.fractional |= run.fractional
+
+    def columns(self) -> tuple[Columns, ...]:
+        return self.device, self.runtime, self.cpu, self.gpu_annotations
 
     def name(self, text: str) -> int:
         found = self.index.get(text)
@@ -200,6 +218,13 @@ def decode_events(run: bytes) -> list[Event]:
         raise TraceReadError(f"an event nests JSON deeper than the decoder reads (~{limit:,} levels)") from None
 
 
+def _run_columns(batch: list[Event]) -> _Collector:
+    """One run of events sorted on its own, to be merged (`_Collector.merge`)."""
+    run = _Collector()
+    run.add(batch)
+    return run
+
+
 def _from_dict(item: dict[str, Any]) -> Event:
     args = item.get("args")
     return Event(
@@ -237,13 +262,18 @@ def _finish(columns: Columns, rounded: bool) -> dict[str, np.ndarray]:
     return {"ts": ts, "end": end, **frozen}
 
 
-def read_trace(path: str | Path) -> TraceEvents:
-    """Read one Kineto trace into columns. Raises `TraceReadError` (or OSError) with the reason when it cannot."""
+def read_trace(path: str | Path, processes: int = 1) -> TraceEvents:
+    """Read one Kineto trace into columns. Raises `TraceReadError` (or OSError) with the reason when it cannot.
+
+    ``processes`` > 1: a trace of at least `SHARED_MIN_BYTES` of JSON is read by two processes (see `shares`).
+    """
     path = Path(path)
-    trace = TraceFile(path)
-    collector = _Collector()
-    for batch in iter_decoded(path, decode_events, trace):
-        collector.add(batch)
+    trace, collector = TraceFile(path), _Collector()
+    shared = processes > 1 and json_bytes(path) >= SHARED_MIN_BYTES
+    if not (shared and read_in_shares(path, trace, decode_events, _run_columns, collector.merge)):
+        trace, collector = TraceFile(path), _Collector()  # what a failed shared read merged is dropped
+        for batch in iter_decoded(path, decode_events, trace):
+            collector.add(batch)
     kinds = ("device", "runtime", "cpu", "gpu_annotations")
     columns = {kind: _finish(getattr(collector, kind), collector.fractional) for kind in kinds}
     starts = [c["ts"].min() for c in columns.values() if len(c["ts"])]

@@ -25,13 +25,19 @@ import numpy as np
 import orjson
 
 CHUNK_BYTES = 8 << 20  # decompressed bytes per parse: large enough to amortise numpy calls, small enough for caches
+HEAD_BYTES = 64 << 10  # searched for the start of traceEvents before the whole first chunk
 GZIP_MAGIC = b"\x1f\x8b"
 _QUOTE, _OPEN, _CLOSE = 0x22, 0x7B, 0x7D  # '"' and, once OR-ed with 0x20, '{' / '[' and '}' / ']'
+_SEPARATORS = b", \t\r\n"  # what may come between two events of the array
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*$')
 
 
 class TraceReadError(ValueError):
     """A file that cannot be read as a Kineto trace, with the reason in one sentence."""
+
+
+class SplitError(Exception):
+    """A run cut the cheap way did not decode while the file was read in shares: it must be read alone."""
 
 
 @dataclass
@@ -107,11 +113,17 @@ def _structure(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 def _events_start(buf: bytes) -> int:
     """Offset just after the ``[`` of the top-level ``traceEvents`` array, or -1 when ``buf`` does not reach it."""
-    brackets, depth = _structure(buf)
-    # the array's bracket takes the depth from 1 (inside the top-level object) to 2
-    for pos in brackets[depth == 2]:
-        if buf[pos] == 0x5B and _EVENTS_KEY.search(buf, max(0, pos - 64), pos):
-            return int(pos) + 1
+    # Kineto writes the array after a few kB of metadata: scanning a prefix first spares a scan of a whole chunk.
+    # A bracket's depth depends only on the bytes before it, so a prefix finds what the whole buffer would.
+    for size in (HEAD_BYTES, len(buf)):
+        head = buf[:size]
+        brackets, depth = _structure(head)
+        # the array's bracket takes the depth from 1 (inside the top-level object) to 2
+        for pos in brackets[depth == 2]:
+            if head[pos] == 0x5B and _EVENTS_KEY.search(head, max(0, pos - 64), pos):
+                return int(pos) + 1
+        if size >= len(buf):
+            break
     return -1
 
 
@@ -143,11 +155,17 @@ def iter_events(path: str | Path, trace: TraceFile | None = None) -> Iterator[li
     return iter_decoded(path, orjson.loads, trace)
 
 
-def iter_decoded(path: str | Path, decode: Decode, trace: TraceFile | None = None) -> Iterator[list[Any]]:
+def iter_decoded(
+    path: str | Path, decode: Decode, trace: TraceFile | None = None, share: tuple[int, int] = (0, 1)
+) -> Iterator[list[Any]]:
     """Like `iter_events`, with ``decode`` turning each JSON array of complete events into a list.
 
     ``decode`` must raise ValueError (orjson's and msgspec's errors are ValueErrors) on bytes that are not a valid
     array: a cut point found the cheap way is checked by decoding it, and found again the exact way when it fails.
+
+    ``share`` (k, n): decode only the runs k, k + n, k + 2n, ... of the file (all n readers cut it at the same
+    places), so that n processes can read one file together. The other runs' cheap cuts are not checked: a reader
+    whose own cheap cut does not decode raises `SplitError`, and the file must then be read alone.
     """
     path = Path(path)
     trace = trace if trace is not None else TraceFile(path)
@@ -155,10 +173,10 @@ def iter_decoded(path: str | Path, decode: Decode, trace: TraceFile | None = Non
         compressed = handle.read(2) == GZIP_MAGIC
         handle.seek(0)
         try:
-            yield from _parse(_chunks(handle, compressed), trace, decode)
+            yield from _parse(_chunks(handle, compressed), trace, decode, share)
         except (zlib.error, EOFError) as error:
             raise TraceReadError(f"the gzip data is corrupt ({error})") from None
-        except TraceReadError:
+        except (TraceReadError, SplitError):
             raise
         except ValueError as error:  # the decoder's
             raise TraceReadError(f"the JSON is malformed ({error})") from None
@@ -170,15 +188,41 @@ def _counted(chunks: Iterator[bytes], trace: TraceFile) -> Iterator[bytes]:
         yield chunk
 
 
-def _decode_run(pending: bytes, end: int, decode: Decode) -> list[Any]:
-    start = 0
-    while start < end and pending[start] in b", \t\r\n":  # the comma left by the previous cut
+def _decode_run(pending: bytearray, end: int, decode: Decode) -> list[Any]:
+    """Decode the events in ``pending[:end]`` as one JSON array, without copying them.
+
+    ``pending`` starts with at least one separator (the array's ``[``, or the comma or blank left by the previous
+    cut): the last separator before the first event becomes ``[`` and the byte at ``end`` becomes ``]`` while the
+    decoder reads, and both are put back.
+    """
+    start = 1
+    while start < end and pending[start] in _SEPARATORS:
         start += 1
-    return decode(b"[" + pending[start:end] + b"]")
+    if end == len(pending):
+        pending.append(0x20)
+    before, after = pending[start - 1], pending[end]
+    pending[start - 1], pending[end] = 0x5B, 0x5D
+    try:
+        with memoryview(pending) as view, view[start - 1 : end + 1] as run:
+            return decode(run)
+    finally:
+        pending[start - 1], pending[end] = before, after
 
 
-def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Iterator[list[Any]]:
+def _drop(pending: bytearray, cut: int) -> None:
+    """Drop the decoded ``pending[:cut]``, leaving one separator in front of what follows (see `_decode_run`)."""
+    if cut < len(pending) and pending[cut] in _SEPARATORS:
+        del pending[:cut]  # from the front of a bytearray: no copy
+    else:
+        pending[:cut] = b" "
+
+
+def _parse(
+    raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode, share: tuple[int, int]
+) -> Iterator[list[Any]]:
     chunks = _counted(raw_chunks, trace)
+    mine, readers = share
+    run = 0  # runs cut so far, decoded by this reader or not
     header = b""
     start = -1
     for chunk in chunks:
@@ -190,34 +234,45 @@ def _parse(raw_chunks: Iterator[bytes], trace: TraceFile, decode: Decode) -> Ite
             break
     if start < 0:
         _refuse(header)
-    pending, header = header[start:], header[: start - 1]
+    # a bytearray, so that runs are decoded in place and cuts are cheap; a blank stands for the "[" (see _decode_run)
+    pending, header = bytearray(header[start - 1 :]), header[: start - 1]
+    pending[0] = 0x20
     trailer = None
     for chunk in itertools.chain([b""], chunks, [None]):  # None: the file has ended, cut exactly what is left
         if chunk is not None:
             pending += chunk
-            # Cheap cut: Kineto ends each event with "}," (its args, the last key, close with "}" and a newline);
-            # a cut there that decodes is a real boundary, since a prefix of the array is valid JSON only between
-            # events. The exact scan runs when that fails, and once the file has ended.
-            cheap = pending.rfind(b"},") + 1
+            # Cheap cut: Kineto ends each event with "}," and a newline (its args, the last key, close with "}" and
+            # a newline), which no string holds (kernel names hold "},"); a cut there that decodes is a real
+            # boundary, since a prefix of the array is valid JSON only between events. "}," alone serves traces
+            # written on one line. The exact scan runs when that fails, and once the file has ended.
+            cheap = (pending.rfind(b"},\n") + 1) or (pending.rfind(b"},") + 1)
             if cheap > 0:
-                try:
-                    events = _decode_run(pending, cheap, decode)
-                except ValueError:
-                    events = None
+                events = []  # another reader's run
+                if run % readers == mine:
+                    try:
+                        events = _decode_run(pending, cheap, decode)
+                    except ValueError:
+                        if readers > 1:
+                            raise SplitError from None
+                        events = None
                 if events is not None:
-                    trace.events += len(events)
-                    yield events
-                    pending = pending[cheap:]
+                    if run % readers == mine:
+                        trace.events += len(events)
+                        yield events
+                    run += 1
+                    _drop(pending, cheap)
                     continue
         last, count, end_at = _split_events(pending)
         if count:
-            events = _decode_run(pending, last, decode)
-            trace.events += len(events)
-            yield events
+            if run % readers == mine:
+                events = _decode_run(pending, last, decode)
+                trace.events += len(events)
+                yield events
+            run += 1
         if end_at >= 0:
-            trailer = pending[end_at + 1 :]
+            trailer = bytes(pending[end_at + 1 :])
             break
-        pending = pending[last:]
+        _drop(pending, last)
     if trailer is None:
         raise TraceReadError(f"the file ends inside traceEvents after {trace.events:,} events (truncated)")
     trailer += b"".join(chunks)
