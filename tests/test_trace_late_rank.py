@@ -208,23 +208,3 @@ def test_the_doctor_cites_the_late_rank_of_the_traces():
     refined = refine(summary, Verdict("comms", "medium", ["comms is 60% of the step"]))
     assert (refined.bound, refined.evidence) == ("comms", ["comms is 60% of the step", LINE])
     assert refine(RunSummary(), Verdict("comms", "medium", ["x"])).evidence == ["x"], "no trace, no line"
-
-
-def test_a_late_ranks_cause_is_the_jobs_bound_only_while_no_other_bound_leads_its_own_trace():
-    from stepscope.analyses.trace.analyze import RankTrace, job_verdict
-    from stepscope.summary import Verdict
-
-    def rank(r: int, verdict: Verdict) -> RankTrace:
-        return RankTrace(rank=r, file=f"rank{r}.json", job="job", rank_source="file name", device_type="cuda",
-                         verdict=verdict)  # fmt: skip
-
-    late = [{"rank": 1, "cause": "data", "wait_pct": 18.0, "cause_ms": 3.0, "others_cause_ms": 0.4,
-             "evidence": ["rank 1 starts its collectives last; the others wait 18% of their time for it"]}]  # fmt: skip
-    waiting = rank(0, Verdict("comms", "medium", ["communication not overlapped is 20% of the kernel span"]))
-    data = Verdict("data", "medium", ["DataLoader spans take 3.0 ms per step (19% of the step)"])
-    assert job_verdict([waiting, rank(1, data)], late).bound == "data"
-    # The late rank's own trace is led by its host: the GPU waits for its launches 40% of the kernel span
-    host = Verdict("host", "high", ["the GPU idles 45.0% of the kernel span, 90% of it waiting for the host"])
-    verdict = job_verdict([waiting, rank(1, host)], late)
-    assert (verdict.bound, verdict.confidence) == ("host", "high"), verdict
-    assert verdict.evidence == [f"rank 1: {host.evidence[0]}", late[0]["evidence"][0]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -228,7 +229,10 @@ def _reduce_all(
     # one file at a time: a large one may be read by two processes (the parallelism is within the file), which pays
     # only with a core to spare: on a busy machine the second one's share of the work (it decompresses the whole
     # file too) made a 207 MB trace 10-15% slower to read, against 25% faster with a core idle
-    processes = min(2, jobs) if jobs else 2 if idle_cores() >= 1 else 1
+    # By default never from a process that runs other threads (a training script's, `stepscope run`'s own at its
+    # end): the child is forked, and a lock another thread held at that moment stays held in it.
+    alone = threading.active_count() == 1
+    processes = min(2, jobs) if jobs else 2 if alone and idle_cores() >= 1 else 1
     return [reduce_file(p, wanted, top, processes=processes) for p in paths], 1
 
 
@@ -544,20 +548,13 @@ def _stragglers(ranks: list[RankTrace]) -> list[dict[str, Any]]:
 
 def job_verdict(ranks: list[RankTrace], late: list[dict[str, Any]] | None = None) -> Verdict:
     """The verdict of most ranks of one job, with the first such rank's evidence; but when the ranks lose at least
-    15% of their time waiting in collectives for a late rank (``late``: `late_ranks`), that rank decides it: its
-    step is the job's. Its cause (what it did while the others waited) is the bound unless another bound leads the
-    late rank's own trace; then that one is, with the late rank named after it, as `stepscope run` names a
-    straggler whose excess is not what leads its step (doctor/verdict.py, ``job_verdict``)."""
+    15% of their time waiting in collectives for a late rank (``late``: `late_ranks`), that rank decides it."""
     if not ranks:
         return Verdict("unknown", "low", ["nothing could be analysed"])
     if len({r.job for r in ranks}) > 1:
         return Verdict("unknown", "low", ["several jobs: see each rank's verdict"])
     for found in late or []:
         if found["wait_pct"] >= LOSS_FLOOR_PCT:
-            own = next((r.verdict for r in ranks if r.rank == found["rank"]), None)
-            if own is not None and own.bound not in (found["cause"], "unknown"):
-                lines = [f"rank {found['rank']}: {line}" for line in own.evidence]
-                return Verdict(own.bound, own.confidence, [*lines, *found["evidence"]])
             confidence = (
                 "high" if found["wait_pct"] >= 25 and found["cause_ms"] > 2 * found["others_cause_ms"] else "medium"
             )
@@ -579,7 +576,8 @@ def analyze_trace(
 
     ``ranks`` keeps only those ranks; ``top`` kernels are listed per rank; ``jobs`` processes read files in
     parallel (0: one per usable core), or two a file of 64 MB of JSON or more when the files are read one at a time
-    (0: when a core is idle; 1: never). Unreadable files are listed with their reason in ``files``.
+    (0: when a core is idle and no other thread runs; 1: never). Unreadable files are listed with their reason in
+    ``files``.
     """
     begin = time.perf_counter()
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
