@@ -95,9 +95,12 @@ def install(tracker: Tracker) -> Callable[[], None]:
                 return original(self, *args, **kwargs)
             t0 = tracker.handover_begin(self)
             try:
-                return original(self, *args, **kwargs)
-            finally:
+                batch = original(self, *args, **kwargs)
+            except BaseException:
                 tracker.fetch_end(None, None, t0)
+                raise
+            tracker.fetch_end(None, batch, t0)  # the step's batch: its samples, and its tensors' copies are h2d
+            return batch
 
         return get
 

@@ -193,7 +193,10 @@ class Tracker:
         self._seen_closed = dict(self.seen)
         self._seen_at_measure = dict(self.seen)
         self._step_samples = 0
-        self._elsewhere_samples = 0  # the samples of batches fetched on other threads since the last step closed
+        # the samples of batches fetched on other threads since the last step closed: the step's, when it got no
+        # batch itself (a prefetcher that hands them over by other means than a queue); fetched ahead of the steps,
+        # they overstate a short window's rate by what fills the prefetchers' buffers
+        self._elsewhere_samples = 0
         self.loader_elsewhere = False  # a loader was iterated on another thread: the hooks time the hand-over
         self._handovers: dict[int, int] = {}  # id of a queue handing batches over -> its loader key (-1, -2, ...)
         self.stopped = False  # ended by StopRun
@@ -350,8 +353,9 @@ class Tracker:
     @_guarded
     def handover_begin(self, handover: Any) -> int:
         """The steps' thread waits for a batch that a thread iterating a loader hands over through ``handover`` (a
-        queue): a fetch whose batch the other thread counted (``fetch_end`` without one). The queue stands for
-        its loader, so that the validation passes tell a training prefetcher's batches from a validation one's."""
+        queue): a fetch (``fetch_end`` gets what the queue gave), counted as the step's where the loader's other
+        figures were counted on the other thread. The queue stands for its loader, so that the validation passes
+        tell a training prefetcher's batches from a validation one's."""
         key = self._handovers.setdefault(id(handover), -1 - len(self._handovers))
         return self._begin_fetch(key)
 
@@ -401,7 +405,7 @@ class Tracker:
             self._end_epoch(state, complete=True)
 
     # A loader iterated on a thread other than the steps' (a prefetcher that hands batches over through a queue):
-    # its epochs, batches and samples are counted, and a step whose own thread fetched nothing takes the samples
+    # its epochs, batches and samples are counted, and a step that got no batch (through a queue) takes the samples
     # fetched meanwhile; no phase opens, the steps' time line is another thread's. Not guarded: the guard's account
     # of stepscope's own time belongs to the steps' thread (an error stops measuring all the same).
 
@@ -433,7 +437,6 @@ class Tracker:
     def _count_elsewhere(self, iterator: Any, batch: Any, t0: int) -> None:
         samples = 0 if batch is None else batch_samples(batch_tensors(batch))
         self._elsewhere_samples += samples
-        self.seen["batches"] += batch is not None
         state = self._iterators.get(iterator)
         if state is not None:
             self._count_fetch(state, t0, self._clock(), samples, batch is not None, batch is None, in_pass=False)
