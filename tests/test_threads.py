@@ -6,6 +6,8 @@ import os
 import statistics
 from unittest import mock
 
+import pytest
+import torch
 from pytest import approx
 from run_helpers import cli_here, run_env, script, stepscope_cmd
 
@@ -40,3 +42,18 @@ def test_a_prefetcher_threads_batches_are_counted_and_the_wait_for_them_is_data(
     assert (loader.dataset, loader.batch_size, loader.num_workers) == ("SleepyDataset", 4, 0), loader
     assert loader.batches >= WARMUP + STEPS, loader
     assert s.verdict.bound == "data", (s.verdict, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_handed_over_batch_copied_to_the_device_is_h2d(tmp_path):
+    # The hand-over marks the batch's tensors, as a fetch on the steps' thread does: its two copies are h2d.
+    json_path = tmp_path / "s.json"
+    cmd = stepscope_cmd(json_path, script("prefetch_thread.py"), "--device", "cuda", warmup=WARMUP, steps=STEPS)
+    with mock.patch.dict(os.environ, run_env(), clear=True):
+        code, stdout, stderr = cli_here(tmp_path, cmd)
+    assert code == 0 and json_path.exists(), stdout[-3000:] + stderr[-3000:]
+    s = RunSummary.from_json(json_path)
+    assert s.phases["h2d"].steps == s.steps.measured, s.phases
+    assert s.facts["h2d"]["copies"] >= 2 * s.steps.measured, s.facts.get("h2d")
+    assert s.verdict.bound == "data", s.verdict

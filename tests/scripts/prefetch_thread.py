@@ -5,7 +5,7 @@ small model every millisecond (a metrics thread). Known answers: the training th
 ``queue.get``, its forward is its forward, and a batch is --batch-size samples.
 
 With --timers PATH the script writes its own timers there, a JSON line per iteration: the training thread's wait in
-``queue.get`` and its forward (s).
+``queue.get`` and its forward (s). With --device cuda the training thread copies each batch to the GPU.
 """
 
 import argparse
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=2.0)
     parser.add_argument("--forward-ms", type=float, default=3.0)
     parser.add_argument("--timers")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -82,13 +83,14 @@ def main() -> None:
     ]
     for thread in threads:
         thread.start()
-    model = SleepyForward(args.forward_ms)
+    model = SleepyForward(args.forward_ms).to(args.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     timers = open(args.timers, "w", buffering=1) if args.timers else None  # noqa: SIM115 (closed at exit)
     try:
         for _ in range(args.iters):
             t0 = time.perf_counter()
             x, y = handover.get()
+            x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
             t1 = time.perf_counter()
             out = model(x)
             t2 = time.perf_counter()
