@@ -4,7 +4,9 @@ Each hook wraps one torch entry point and stays cheap where it does not apply: a
 ``.to()`` of a tensor that did not come from the loader costs one Python call and a check. The outermost module
 call is found by wrapping ``nn.Module.__call__`` rather than with torch's global module hooks, which switch every
 module call to the slow hook path (+1.9 us per module call measured on the dev machine, against +0.17 us here).
-Inside a ``torch.compile`` trace every wrapper steps aside so that compiled graphs are unchanged.
+Inside a ``torch.compile`` trace every wrapper steps aside so that compiled graphs are unchanged. Events from
+threads other than the one the steps run on (``Tracker.thread``) pass by; ``queue.Queue.get`` is wrapped too, for
+the steps' wait on a prefetcher thread's batches.
 
 ``install`` returns a function that removes every hook (tests install and remove them in-process).
 """
