@@ -91,6 +91,16 @@ class CudaEvents:
         self._torch.cuda.synchronize()
 
 
+def cuda_available() -> bool:
+    """True when torch can use a CUDA device here (imports torch; False on any error: no driver, a broken build)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
 def cuda_in_use() -> bool:
     """True when this process has already initialised CUDA (a model or tensor is on a GPU).
 

@@ -28,7 +28,17 @@ from pathlib import Path
 from threading import get_ident
 from typing import Any, TypeVar
 
-from stepscope.clock import HOST_ONLY, Clock, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_in_use, now_ns
+from stepscope.clock import (
+    HOST_ONLY,
+    Clock,
+    CudaEvents,
+    DeviceTimer,
+    EventSource,
+    HostOnly,
+    cuda_available,
+    cuda_in_use,
+    now_ns,
+)
 from stepscope.instrument.profile import NO_RANGES, NoRanges, NsysRange, NsysWindow, Profiler, ProfileWindow, Ranges
 from stepscope.invariants import between_note, check
 from stepscope.record import (
@@ -424,7 +434,7 @@ class Scope:
         # which phase is open at a stack sample's instant; the auto-instrumentation's tracker replaces it
         self._phase_of: Any = self._phase_at
         self._collectors: Any = NO_COLLECTORS
-        if timing == "cuda" and events is None and not _cuda_available():
+        if timing == "cuda" and events is None and not cuda_available():
             raise ValueError("timing='cuda' needs a CUDA device, and torch sees none: use timing='auto' or 'host'.")
         self._recorder = Recorder(warmup=warmup, window=window, exact_limit=exact_limit)
         self._clock = clock
@@ -1061,15 +1071,6 @@ def _import_host_collector() -> None:
     warm-up steps the sampler starts inside the first measured step, and nothing is subtracted from it."""
     with contextlib.suppress(ImportError):  # start_collectors says which figures are missing and why
         import stepscope.collectors.host  # noqa: F401
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
 
 
 def _device_name(timing: str) -> str:

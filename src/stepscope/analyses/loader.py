@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from stepscope.clock import HOST_ONLY, CudaEvents, DeviceTimer, EventSource, HostOnly, now_ns
+from stepscope.clock import HOST_ONLY, CudaEvents, DeviceTimer, EventSource, HostOnly, cuda_available, now_ns
 from stepscope.collectors.host import thread_busy_ns
 
 if TYPE_CHECKING:
@@ -501,7 +501,7 @@ def sweep_loader(
         cap, cap_basis = machine_worker_cap()
     else:
         cap, cap_basis = worker_cap(cores), f"{cores:g} usable cores"
-    cuda = _cuda_available()
+    cuda = cuda_available()
     candidates = candidate_settings(current, cap, cuda)
     notes = []
     if not cuda:
@@ -701,15 +701,6 @@ def _expected_cost(trials: list[SweepTrial], batches: int) -> float:
     far, so that a trial which cannot finish inside the budget is not started."""
     costs = [(t.startup_s or 0.0) + batches / t.batches_per_s for t in trials if t.error is None and t.batches_per_s]
     return statistics.median(costs) if costs else 0.0
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
 
 
 def sweep_trials(batches: int, warmup: int) -> dict[str, int]:
