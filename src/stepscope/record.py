@@ -470,9 +470,8 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
     steps_per_s = step.count / paced_s if paced_s > 0 else None
     # Samples per step where a step reported them, at every step's pace: the steps that fetched are no sample of
     # the others' time (a loader cycled by itertools.cycle fetches in its first pass only, and those steps are the
-    # slow ones: read as the rate of their own time, it was 15% low)
-    # No measured step reported one where a loader cycled by itertools.cycle ended its only pass in the warm-up:
-    # the warm-up's batches are then the steps' samples
+    # slow ones: read as the rate of their own time, it was 15% low). Where that pass ended in the warm-up, no
+    # measured step reported any, and the warm-up's batches are the steps' samples.
     if recorder.sampled_steps:
         samples_per_step: float | None = recorder.samples / recorder.sampled_steps
     elif recorder.warmup_sampled_steps:

@@ -362,7 +362,7 @@ class Tracker:
     def _begin_fetch(self, loader: int | None) -> int:
         self._close_backward_step()
         self._fetch_loader = loader
-        self.evals.fetch_begin(self, self._fetch_loader, self._clock())
+        self.evals.fetch_begin(self, loader, self._clock())
         self.in_fetch = True
         self._enter("data_wait")
         return self._clock()

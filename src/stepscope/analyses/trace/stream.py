@@ -247,8 +247,9 @@ def _parse(
             # written on one line. The exact scan runs when that fails, and once the file has ended.
             cheap = (pending.rfind(b"},\n") + 1) or (pending.rfind(b"},") + 1)
             if cheap > 0:
+                ours = run % readers == mine
                 events = []  # another reader's run
-                if run % readers == mine:
+                if ours:
                     try:
                         events = _decode_run(pending, cheap, decode)
                     except ValueError:
@@ -256,7 +257,7 @@ def _parse(
                             raise SplitError from None
                         events = None
                 if events is not None:
-                    if run % readers == mine:
+                    if ours:
                         trace.events += len(events)
                         yield events
                     run += 1
