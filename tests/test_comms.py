@@ -124,6 +124,25 @@ def test_an_excess_that_leads_a_step_no_group_holds_40_percent_of_is_still_the_b
     assert job.verdict.evidence[1].startswith("rank 1's data_wait is 4.0 ms above"), job.verdict
 
 
+def test_the_stragglers_own_comms_never_decide_its_step():
+    # The two-node test beside busy loops: under load each rank waits for the other in turn, and rank 1's own comms
+    # (12 ms) lead its step, above its 9 ms data_wait excess. Its waiting is not why it is the slowest.
+    fast = {"data_wait": 1.0, "forward": 2.0, "backward": 2.0, "comms": 21.0, "optimizer": 1.0, "other": 1.0}
+    slow = {**fast, "data_wait": 10.0, "comms": 12.0}
+    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    assert (job.cluster.straggler.rank, job.cluster.straggler.phase) == (1, "data_wait")
+    assert job.verdict.bound == "data", job.verdict
+    assert job.verdict.evidence[0].startswith("rank 1's data_wait is 9.0 ms above"), job.verdict
+    # When its own work spreads thin beside its comms, no group is the job's bound unless the excess leads it.
+    fast = {"data_wait": 1.0, "forward": 3.0, "backward": 3.0, "comms": 20.0, "optimizer": 5.0, "other": 5.0}
+    slow = {**fast, "data_wait": 5.5, "comms": 15.5}
+    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    assert job.verdict.bound == "balanced", job.verdict
+    assert job.verdict.evidence[0].startswith("rank 1: no part of the step but comms reaches 40%"), job.verdict
+    job = examine(merge([rank(0, fast), rank(1, {**slow, "data_wait": 7.0})]), [])
+    assert job.verdict.bound == "data", job.verdict
+
+
 def test_summaries_without_comms_keep_the_old_straggler_and_no_attribution():
     # An older run: the wait sits inside rank 0's backward, so no rank is seen waiting.
     old_fast = {"data_wait": 0.5, "forward": 1.0, "backward": 15.5, "optimizer": 0.5, "other": 0.2}

@@ -190,10 +190,10 @@ def job_verdict(summary: RunSummary) -> Verdict | None:
     ]
     slow = rank_summary(summary, straggler.rank)
     assert slow is not None
-    pace = classify_phases(slow)
+    pace = _own_pace(slow)
     own_lines = [f"rank {straggler.rank}: {line}" for line in pace.evidence]
     if pace.bound in ("balanced", "unknown"):  # no bound by share: the excess decides if its group leads the step
-        shares = group_shares(slow)
+        shares = _work_shares(slow)
         leads = max(shares, key=shares.__getitem__) == group
     else:
         leads = pace.bound == group
@@ -202,6 +202,25 @@ def job_verdict(summary: RunSummary) -> Verdict | None:
     waited = straggler.wait_ms - (straggler.own_comms_ms or 0.0)
     strong = waited >= EXPLAINS_HIGH * straggler.excess_ms and share >= MIN_SHARE
     return Verdict(group, "high" if strong else "medium", both_sides + (own_lines if pace.bound == group else []))
+
+
+def _work_shares(summary: RunSummary) -> dict[str, float]:
+    """A straggler's group shares without comms: its comms are its all-reduce and its own waits for the others
+    (under load, each rank waits in turn), never what makes its step the slowest."""
+    return {group: share for group, share in group_shares(summary).items() if group != "comms"}
+
+
+def _own_pace(straggler: RunSummary) -> Verdict:
+    """The straggler's own step verdict, with the largest other group where comms leads it."""
+    pace = classify_phases(straggler)
+    if pace.bound != "comms":
+        return pace
+    shares = _work_shares(straggler)
+    group = max(shares, key=shares.__getitem__)
+    if shares[group] < MIN_SHARE:
+        parts = ", ".join(f"{g} {100 * s:.0f}%" for g, s in sorted(shares.items(), key=lambda i: -i[1]))
+        return Verdict("balanced", "medium", [f"no part of the step but comms reaches {100 * MIN_SHARE:.0f}%: {parts}"])
+    return Verdict(group, "medium", _evidence(straggler, group, shares[group]))
 
 
 def classify_phases(summary: RunSummary) -> Verdict:
