@@ -329,6 +329,18 @@ def test_manual_updates_step_on_backward(tmp_path, form):
     assert s.throughput.samples_per_s == pytest.approx(16 / (s.phases["total"].mean_ms / 1e3), rel=0.02)
 
 
+def test_an_optimizer_that_never_steps_does_not_hold_the_first_step_forever(tmp_path):
+    # It made an SGD for its learning rate and updates by hand: without the fallback, the run waited for its
+    # first step until killed.
+    r = stepscope_run(tmp_path, script("manual_sgd.py"), "--unused-optimizer", warmup=2, steps=10, timeout=60)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    check_consistent(s, r)
+    assert (s.steps.boundary, s.steps.measured, s.exit.reason) == ("backward", 10, "stopped"), r.describe()
+    assert counter(s, "backward_calls") == pytest.approx(1)
+    assert any("none stepped in its first 100 backward calls" in note for note in s.notes), s.notes
+
+
 def test_lbfgs_closure_time_is_forward_and_backward(tmp_path):
     r = stepscope_here(tmp_path, script("lbfgs.py"), "--fwd-ms", "3", warmup=2, steps=8)
     assert r.returncode == 0, r.describe()

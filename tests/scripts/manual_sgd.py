@@ -1,4 +1,4 @@
-"""No optimizer object at all: parameters are updated by hand after each backward."""
+"""No optimizer object at all (or one that never steps): parameters are updated by hand after each backward."""
 
 import argparse
 
@@ -13,6 +13,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--iters", type=int, default=100_000)
     parser.add_argument("--autograd-backward", action="store_true", help="torch.autograd.backward(loss)")
+    parser.add_argument("--unused-optimizer", action="store_true", help="make an SGD that never steps")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -20,6 +21,9 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     x = torch.randn(args.batch_size, 16)
     y = torch.randint(0, 4, (args.batch_size,))
+    lr = args.lr
+    if args.unused_optimizer:  # only its learning rate is read, as a schedule's scripts do
+        lr = torch.optim.SGD(model.parameters(), lr=lr).param_groups[0]["lr"]
     for _ in range(args.iters):
         loss = F.cross_entropy(model(x), y)
         if args.autograd_backward:
@@ -28,7 +32,7 @@ def main() -> None:
             loss.backward()
         with torch.no_grad():
             for p in model.parameters():
-                p -= args.lr * p.grad
+                p -= lr * p.grad
                 p.grad = None
 
 

@@ -52,6 +52,10 @@ COUNTERS = (
 )
 # The events that begin a step: once the requested steps are measured, the first of them ends the script.
 STOP_EVENTS = ("fetch_begin", "forward_begin", "backward_begin", "optimizer_step_begin")
+# Backward calls with an optimizer made but never stepped, after which each backward ends a step: the script updates
+# its parameters by other means (a hand-written update beside an optimizer it only reads its learning rate from).
+# Far above any gradient accumulation before a first step, which would otherwise wait forever for its first step.
+UNSTEPPED_BACKWARDS = 100
 PROBES = 8  # forward passes (and attention calls) probed for runtime facts at the start of the measured window
 
 
@@ -184,6 +188,7 @@ class Tracker:
         self._round: set[int] = set()
         self._closer: int | None = None
         self._backward_pending = False
+        self._unstepped_backwards = 0  # backward calls while no optimizer has stepped yet
         # DDP's gradient all-reduce wait: the tail of backward after the last DDP gradient was accumulated
         self._ddp_tail: int | None = None  # the parameter whose gradient came last in the previous backward
         self._ddp_last: int | None = None  # the last one so far in this backward
@@ -527,9 +532,11 @@ class Tracker:
                 # backward itself ended at the last gradient: the rest of it is the wait just counted
                 self._segment_start, self._segment_event = now, None
         self._exit("backward")
-        if self.optimizers_created == 0 and self.boundary != "optimizer.step":
-            self.boundary = "backward"
-            self._backward_pending = True
+        if self.boundary != "optimizer.step":
+            self._unstepped_backwards += 1
+            if self.optimizers_created == 0 or self._unstepped_backwards >= UNSTEPPED_BACKWARDS:
+                self.boundary = "backward"
+                self._backward_pending = True
         if self.audit.end_backward():
             self.audited = self.audit.audits()
             if self.config.audit_continue:
@@ -968,6 +975,11 @@ class Tracker:
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
         summary.notes += [own_scope_note(scope) for scope in script_scopes(self.scope)]
+        if self.boundary == "backward" and self.optimizers_created:
+            summary.notes.append(
+                f"the script made {self.optimizers_created} optimizer(s) but none stepped in its first "
+                f"{UNSTEPPED_BACKWARDS} backward calls: each backward ends a step, as in a script without one"
+            )
         if self.scope._recorder.steps_seen == 0 and job is None:
             seen = self.seen
             # Replaces the Scope's note, whose advice is about calling scope.step().
