@@ -252,7 +252,12 @@ def _read_own(spec: CaseSpec, truth_prefix: Path, summary: dict[str, Any]) -> li
         if not path.exists():
             raise TruthError(f"no own records at {path.name}")
         records = json.loads(path.read_text())["records"]
-        own.append(own_figures(records, warmup, measured, rank))
+        rounds = warmup
+        if spec.critic and len(records) < warmup + measured:
+            # The round is learned while running: the first one, cut at each of its two optimizer steps, is two
+            # warm-up steps. stepscope stops the script at its first event after the measured steps.
+            rounds = len(records) - measured
+        own.append(own_figures(records, rounds, measured, rank))
     return own
 
 

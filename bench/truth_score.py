@@ -38,6 +38,7 @@ AIMED: dict[str, frozenset[str]] = {
     "checkpoint": frozenset({"host.checkpoint_every_step"}),
     "log": frozenset({"host.log_every_step"}),
     "validation": frozenset({"eval.frequency"}),
+    "epochs": frozenset({"loader.persistent_workers"}),  # workers started again at each epoch: their stalls
     "compute": frozenset(),  # sleeps and busy loops in forward/backward: no CPU fix in the catalogue shortens them
     "other": frozenset(),  # plain Python in the loop body: no catalogued fix
 }
@@ -103,6 +104,7 @@ class Expectation:
     step_rate: float = 0.0
     wall_rate: float = 0.0
     sample_rate: float = 0.0  # the job's: every rank's samples a step at the slowest rank's step rate
+    restarting_loaders: list[str] = field(default_factory=list)  # with workers started again at each epoch
 
 
 @dataclass
@@ -270,6 +272,12 @@ def _injected_causes(spec: CaseSpec, own: OwnFigures) -> dict[str, float]:
             out[kind] = own.injected[kind] / step
     if spec.val and own.val_s > 0:
         out["validation"] = own.val_s / own.wall_s
+    if (
+        spec.epoch_batches
+        and any(ld.workers for ld in spec.loaders)
+        and own.phases["data_wait"] / step >= SECONDARY_SHARE
+    ):
+        out["epochs"] = own.phases["data_wait"] / step  # at most: the restarts' stalls are part of the wait
     if spec.cause == "oversubscribed":  # injected on purpose, whichever group the verdict then names
         out["oversubscribed"] = own.phases["data_wait"] / step
     return out
@@ -319,6 +327,7 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         step_rate=min(o.step_rate for o in own),
         wall_rate=min(o.wall_rate for o in own),
         sample_rate=sum(o.samples for o in own) * min(o.step_rate for o in own),
+        restarting_loaders=[ld.name for ld in spec.loaders if ld.workers] if spec.epoch_batches else [],
     )
 
 
@@ -437,8 +446,9 @@ def _names(fix: dict[str, Any], exp: Expectation, kind: str, rank_needed: bool, 
     """What an aimed fix's evidence fails to name: the loader, the script line, the straggler rank."""
     text = " ".join(fix.get("evidence") or [])
     missing = []
-    if fix["id"].startswith("loader.") and exp.fix_loaders and not any(name in text for name in exp.fix_loaders):
-        missing.append(f"loader {' or '.join(exp.fix_loaders)}")
+    loaders = exp.restarting_loaders if fix["id"] == "loader.persistent_workers" else exp.fix_loaders
+    if fix["id"].startswith("loader.") and loaders and not any(name in text for name in loaders):
+        missing.append(f"loader {' or '.join(loaders)}")
     line = exp.fix_lines.get(kind)
     if line is not None and fix["id"].startswith("host.") and f"{script}:{line}" not in text:
         missing.append(f"line {script}:{line}")
@@ -456,6 +466,8 @@ def score_fix(summary: dict[str, Any], exp: Expectation, script: str) -> Score:
     group = bound if bound in exp.causes else exp.bound_ok[0]
     cause = exp.causes[group]
     aimed = AIMED.get(cause, frozenset())
+    if cause == "data" and "epochs" in exp.secondary:  # the epochs' restarts are part of the data wait
+        aimed |= AIMED["epochs"]
     text = f"fixes {[f['id'] for f in fixes[:3]]}; cause {cause} wants {sorted(aimed) or 'none'}"
     if not fixes:
         return Score("first fix", WRONG if aimed else RIGHT, text)

@@ -313,7 +313,7 @@ def _loader_line(spec: CaseSpec, i: int, ld: LoaderSpec) -> str:
         per_batch = f"({per_batch} + EXTRA_MS)"
     busy = bool(ld.cost and ld.cost.busy)
     sample = f"{per_batch} / {ld.batch}" if ld.where == "getitem" else "0.0"
-    length = ld.batch * spec.cycle_batches if spec.cycle_batches else 8192
+    length = ld.batch * (spec.cycle_batches or spec.epoch_batches) or 8192
     dataset = f"{ld.name}({sample}, {busy})" if ld.iterable else f"{ld.name}({length}, {sample}, {busy})"
     args = [dataset, f"batch_size={ld.batch}", f"num_workers={ld.workers}"]
     if ld.where == "collate":
@@ -325,7 +325,49 @@ def _iterate(spec: CaseSpec) -> str:
     """How the loop gets a loader's batches: its iterator, a prefetcher's hand-over, or itertools.cycle."""
     if spec.prefetch:
         return "Prefetched(loader)"
+    if spec.epoch_batches:
+        return "epochs(loader)"
     return "itertools.cycle(loader)" if spec.cycle_batches else "iter(loader)"
+
+
+EPOCHS = '''def epochs(loader):
+    """The loader's batches, epoch after epoch (each a fresh iterator: its workers start again)."""
+    while True:
+        yield from loader
+
+
+'''
+
+CRITIC = '''class Critic(nn.Module):
+    """A second model trained every step by an optimizer of its own (a GAN's discriminator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, y):
+        return self.linear(y)
+
+
+'''
+
+
+def _critic_update(ind: str) -> list[str]:
+    """The critic's update on the model's last output, each call own-timed in its phase."""
+    return [
+        f"{ind}start = clock()",
+        f"{ind}critic_opt.zero_grad()",
+        f'{ind}TRUTH.span("zero_grad", clock() - start)',
+        f"{ind}start = clock()",
+        f"{ind}score = critic(out.detach()).mean()",
+        f'{ind}TRUTH.span("forward", clock() - start)',
+        f"{ind}start = clock()",
+        f"{ind}score.backward()",
+        f'{ind}TRUTH.span("backward", clock() - start)',
+        f"{ind}start = clock()",
+        f"{ind}critic_opt.step()",
+        f'{ind}TRUTH.span("optimizer", clock() - start)',
+    ]
 
 
 def _setup(spec: CaseSpec) -> list[str]:
@@ -345,6 +387,8 @@ def _setup(spec: CaseSpec) -> list[str]:
         out.append("    model = DistributedDataParallel(model)")
     if spec.side:
         out.append(f"    {spec.side.role} = SideNet().eval()")
+    if spec.critic:
+        out += ["    critic = Critic()", "    critic_opt = torch.optim.SGD(critic.parameters(), lr=0.01)"]
     inner = "torch.optim.SGD(model.parameters(), lr=0.01)"
     if spec.optimizer is None and not _straggles(spec, "optimizer"):
         out.append(f"    opt = {inner}")
@@ -352,6 +396,8 @@ def _setup(spec: CaseSpec) -> list[str]:
         out.append("    opt = SlowSGD(model.parameters(), lr=0.01)")
     else:
         out.append(f"    opt = Wrapped({inner})")
+    if spec.scheduler:
+        out.append("    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)")
     if spec.val:
         val = spec.val
         sample = f"{val.cost.ms / 8 if val.cost else 0.0}, {bool(val.cost and val.cost.busy)}"
@@ -419,6 +465,8 @@ def _after_step(spec: CaseSpec) -> tuple[list[str], int | None, int | None]:
         f"{ind}opt.zero_grad()",
         f'{ind}TRUTH.span("zero_grad", clock() - start)',
     ]
+    if spec.scheduler:
+        out.append(f"{ind}schedule.step()")
     if spec.side and spec.side.where == "after":
         out += [
             f"{ind}start = clock()",
@@ -493,19 +541,22 @@ def write_script(spec: CaseSpec) -> Script:
     )
     lines = [*head.splitlines(), "", "", f"ACCUM = {spec.accum}", "", ""]
     lines += _classes(spec)
+    if spec.epoch_batches:
+        lines += EPOCHS.splitlines()
+    if spec.critic:
+        lines += CRITIC.splitlines()
     if spec.val:
         lines += VALIDATE.splitlines()
     lines += _setup(spec)
     body = ["    try:", "        while True:"] if spec.ranks > 1 else ["    while True:"]
     lines += body
     inner: list[str] = _micro_batch(spec)
-    inner += [
-        "        start = clock()",
-        "        opt.step()",
-        '        TRUTH.span("optimizer", clock() - start)',
-        "        TRUTH.end_step()",
-        "        step += 1",
-    ]
+    if spec.critic == "before":
+        inner += _critic_update(" " * 8)
+    inner += ["        start = clock()", "        opt.step()", '        TRUTH.span("optimizer", clock() - start)']
+    if spec.critic == "after":  # its step ends the round: the step
+        inner += _critic_update(" " * 8)
+    inner += ["        TRUTH.end_step()", "        step += 1"]
     after, log_at, ckpt_at = _after_step(spec)
     shift = "    " if spec.ranks > 1 else ""
     first_after = len(lines) + len(inner) + 1  # 1-based line of after[0]

@@ -23,6 +23,9 @@ ITERABLE_NAMES = ("TokensStream", "SensorStream", "ClicksStream")
 VAL_NAME = "HeldOutDataset"
 PREFETCH_SHARE = 0.15  # of the cases whose loaders a prefetcher thread iterates (prefetch_generator's pattern)
 CYCLE_SHARE = 0.15  # of the cases whose short map-style loaders are iterated through itertools.cycle
+EPOCHS_SHARE = 0.35  # of the cases whose short map-style loaders start a new epoch every few steps
+CRITIC_SHARE = 0.15  # of the cases with a second model trained by its own optimizer every step (a GAN's)
+SCHEDULER_SHARE = 0.3  # of the cases stepping a learning-rate scheduler after each step
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,18 @@ class CaseSpec:
     # >0: the map-style loaders hold this many batches and are iterated through itertools.cycle, which fetches in its
     # first pass only and hands the batches it kept over again after it
     cycle_batches: int = 0
+    # >0: the map-style loaders hold this many batches, and an endless generator starts a new epoch (a fresh
+    # iterator: its workers start again) whenever one ends, as ``while True: yield from loader`` does
+    epoch_batches: int = 0
     accum: int = 1  # micro-batches per optimizer step
     forward: Cost | None = None
     backward: Cost | None = None
     optimizer: Cost | None = None
     optimizer_style: str = "subclass"  # "subclass" of SGD, or "wrapper": an Optimizer wrapping an inner SGD
+    # "before"/"after": a critic model with its own optimizer, updated every step before or after the model's
+    # optimizer step (a GAN's discriminator: one step is one round of both)
+    critic: str = ""
+    scheduler: bool = False  # a learning-rate scheduler stepped after every optimizer step
     other: Cost | None = None  # plain Python in the loop body, after the step
     side: SideSpec | None = None
     val: ValSpec | None = None
@@ -122,6 +132,8 @@ class CaseSpec:
             parts.append("prefetch=thread")
         if self.cycle_batches:
             parts.append(f"cycle={self.cycle_batches}batches")
+        if self.epoch_batches:
+            parts.append(f"epochs={self.epoch_batches}batches")
         if self.accum > 1:
             parts.append(f"accum={self.accum}")
         for name in ("forward", "backward", "optimizer", "other"):
@@ -130,6 +142,10 @@ class CaseSpec:
                 parts.append(f"{name}={cost.describe()}")
         if self.optimizer is not None:
             parts.append(f"optimizer_style={self.optimizer_style}")
+        if self.critic:
+            parts.append(f"critic={self.critic}")
+        if self.scheduler:
+            parts.append("scheduler")
         if self.side:
             parts.append(f"side={self.side.role}@{self.side.where}({self.side.cost.describe()})")
         if self.val:
@@ -242,6 +258,16 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
         # that fetches some of its batches and replays others reads its samples short (docs/run.md, limits).
         per_step = spec.accum if spec.fetch == "each" else spec.accum / len(spec.loaders)
         spec.cycle_batches = max(1, round(cycle.randint(1, spec.warmup - 1) * per_step))
+    # The loop shapes drawn last, each from its own draw, so that every earlier block of a seed's cases stays.
+    shapes = random.Random(f"truth:{seed}:{index}:shapes")
+    epochs = shapes.random() < EPOCHS_SHARE
+    if epochs and finite and not spec.prefetch and not spec.cycle_batches and spec.cause != "oversubscribed":
+        # A new epoch every 2-8 steps: with workers, each starts its processes again (the stall is data_wait).
+        per_step = spec.accum if spec.fetch == "each" else spec.accum / len(spec.loaders)
+        spec.epoch_batches = max(1, round(shapes.randint(2, 8) * per_step))
+    if shapes.random() < CRITIC_SHARE:
+        spec.critic = shapes.choice(("before", "after"))
+    spec.scheduler = shapes.random() < SCHEDULER_SHARE
     if spec.optimizer is not None or (spec.straggler and spec.straggler.phase == "optimizer"):
         spec.optimizer_style = rng.choice(("subclass", "wrapper"))
     if rng.random() < 0.3:

@@ -402,7 +402,11 @@ def _epochs(stalls_ms: list[float], loader_index: int = 0) -> list[Epoch]:
     return [Epoch(loader_index, i, 10.0, 30, 960, stall, True) for i, stall in enumerate(stalls_ms)]
 
 
-@positive("loader.persistent_workers", 0.04, "2 epoch restart(s) stalled 600 ms each before the first batch")
+@positive(
+    "loader.persistent_workers",
+    0.04,
+    "2 epoch restart(s) of loader 0 (ToyDataset, num_workers=4) stalled 600 ms each before the first batch",
+)
 def restarted_workers() -> Case:
     # later stalls 1.2 s over 30 s of epochs: 4%; the first epoch's start-up is paid either way.
     return Case(healthy(loaders=[loader(persistent_workers=False)], epochs=_epochs([500.0, 600.0, 600.0])))
@@ -1394,7 +1398,7 @@ def test_a_worker_fix_applies_every_setting_its_advice_names():
 def test_persistent_workers_share_counts_only_restarts():
     fix = fired(restarted_workers())["loader.persistent_workers"]
     assert fix.evidence == [
-        "2 epoch restart(s) stalled 600 ms each before the first batch",
+        "2 epoch restart(s) of loader 0 (ToyDataset, num_workers=4) stalled 600 ms each before the first batch",
         "the stalls are 4% of the time spent in those epochs",
     ]
 

@@ -421,8 +421,12 @@ def _persistent_workers(case: Case) -> Finding | None:
     if share < MIN_STALL_SHARE:
         return None
     mean_ms = 1000 * stall_s / len(later)
+    names = ", ".join(
+        f"loader {i} ({loaders[i].dataset}, num_workers={loaders[i].num_workers})"
+        for i in sorted({e.loader for e in later})
+    )
     evidence = [
-        f"{len(later)} epoch restart(s) stalled {mean_ms:.0f} ms each before the first batch",
+        f"{len(later)} epoch restart(s) of {names} stalled {mean_ms:.0f} ms each before the first batch",
         f"the stalls are {pct(share)} of the time spent in those epochs",
     ]
     return Finding(evidence, share, "at most the epoch-start stalls")
