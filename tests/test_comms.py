@@ -240,6 +240,25 @@ def test_one_ranks_side_work_every_step_stays_in_its_step_and_the_job_rate_is_th
     assert s.invariants == [], s.invariants
 
 
+def test_rank_0_validating_alone_leaves_the_others_waits_out_of_the_job_step(tmp_path):
+    # Rank 0 alone validates every 4 steps (4 batches of 12 ms); rank 1 waits for it in its next step's all-reduce.
+    # That wait is the job's validation: read as rank 1's step, the step rate was about half the truth.
+    launcher = [*torchrun(), script("ddp.py"), "--sample-ms", "1", "--extra-ms", "0", "--val-every", "4"]
+    launcher += ["--val-batches", "4", "--val-ms", "12"]
+    r = stepscope_run(tmp_path, "--", *launcher, warmup=5, steps=24, timeout=180)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    by_rank = {x.meta.rank: x for x in s.ranks}
+    assert by_rank[0].eval["passes"] >= 4 and not by_rank[1].eval, [x.eval for x in s.ranks]
+    steps = [by_rank[k].phases["total"].mean_ms for k in (0, 1)]
+    assert max(steps) <= 1.3 * min(steps), (steps, r.describe())
+    assert any("for rank 0's validation" in note for note in s.notes), s.notes
+    # 48 ms of validation every 4 steps of ~9 ms: more than half the wall time
+    assert s.throughput.steps_per_s >= 1.5 * s.throughput.wall_steps_per_s, (s.throughput, r.describe())
+    assert s.verdict.bound == "data", (s.verdict, r.describe())
+    assert s.invariants == [], s.invariants
+
+
 def test_explicit_collectives_are_comms(tmp_path):
     # Rank 1 sleeps 10 ms after backward (its `other`); rank 0 waits that long in all_reduce, Work.wait, barrier.
     launcher = [*torchrun(), script("collectives.py"), "--sleep-ms", "10"]

@@ -7,7 +7,8 @@ import pytest
 from run_helpers import run_env
 
 from stepscope.instrument.merge import find_straggler, merge
-from stepscope.summary import Exit, Meta, PhaseStats, RunSummary, Steps, Throughput
+from stepscope.invariants import broken
+from stepscope.summary import Exit, Meta, PhaseStats, RunSummary, Steps, Throughput, Wall
 
 
 def rank(r: int, phases_ms: dict[str, float], samples_per_s: float = 100.0, world: int = 2, exit_reason="stopped"):
@@ -32,6 +33,36 @@ def test_slow_loader_on_one_rank_is_the_straggler_not_the_rank_waiting_in_backwa
     straggler = find_straggler(ranks)
     assert (straggler.rank, straggler.phase) == (1, "data_wait")
     assert straggler.excess_ms == pytest.approx(21.6 - 5.0)  # against the median of the other ranks
+
+
+def test_a_ranks_wait_for_another_ranks_validation_is_validation_not_step_time():
+    # Rank 0 alone validates, 0.24 s over 20 steps; rank 1 waits for it in the next steps' all-reduce: 12 ms a step
+    # more comms. The job trains at 9 ms a step, not rank 1's 21.
+    validating = rank(0, {"data_wait": 2.0, "forward": 3.0, "comms": 1.0, "other": 3.0})
+    waiting = rank(1, {"data_wait": 2.0, "forward": 3.0, "comms": 13.0, "other": 3.0})
+    validating.wall = Wall(window_s=0.42, steps_s=0.18, eval_s=0.24)
+    waiting.wall = Wall(window_s=0.42, steps_s=0.42)
+    validating.eval = {"passes": 20}  # a stretch cut out of every step is not validation the others wait for
+    assert merge([validating, waiting]).throughput.step_time_ms == pytest.approx(21.0)
+    validating.eval = {"passes": 4}
+    job = merge([validating, waiting])
+    assert job.throughput.step_time_ms == pytest.approx(9.0)
+    assert job.throughput.wall_steps_per_s == pytest.approx(20 / 0.42)
+    moved = job.ranks[1]
+    assert moved.phases["comms"].mean_ms == pytest.approx(1.0)
+    assert moved.phases["total"].mean_ms == pytest.approx(9.0)
+    assert sum(p.share for n, p in moved.phases.items() if n != "total") == pytest.approx(1.0)
+    assert moved.wall == Wall(window_s=0.42, steps_s=pytest.approx(0.18), eval_s=pytest.approx(0.24))
+    assert moved.throughput.samples_per_s == pytest.approx(100.0 * 21 / 9)
+    assert any("for rank 0's validation" in note for note in job.notes), job.notes
+    assert job.cluster.straggler is None
+    assert broken(job) == []
+    # The wait moved is at most the difference in validation time, and at most the comms beyond the least's.
+    validating.wall = Wall(window_s=0.42, steps_s=0.32, eval_s=0.1)
+    assert merge([validating, waiting]).ranks[1].phases["comms"].mean_ms == pytest.approx(13.0 - 5.0)
+    validating.wall = Wall(window_s=0.42, steps_s=0.18, eval_s=0.24)
+    waiting.phases["comms"].mean_ms = 8.0  # (its step had other time too; only the comms beyond 1 ms can move)
+    assert merge([validating, waiting]).ranks[1].phases["comms"].mean_ms == pytest.approx(1.0)
 
 
 def test_even_ranks_have_no_straggler():

@@ -6,6 +6,9 @@ spent in data_wait (and its loader ceiling is the lower one). With --slurm it is
 torchrun): its rank and world size come from SLURM_PROCID/SLURM_NTASKS, as Slurm job scripts do it.
 "ddp: rank N trained" is printed only after the last epoch. With --side-forwards N, rank --side-rank runs N
 forwards without gradients of a second model after every optimizer step (a metric), each sleeping --side-ms.
+With --val-every N, rank --val-rank alone validates every N steps: --val-batches batches of a loader whose samples
+each sleep --val-ms / batch size, as scripts that evaluate on rank 0 only do; the other ranks wait for it in the
+next step's all-reduce.
 """
 
 import argparse
@@ -49,6 +52,10 @@ def main() -> None:
     parser.add_argument("--side-forwards", type=int, default=0)
     parser.add_argument("--side-ms", type=float, default=1.0)
     parser.add_argument("--side-rank", type=int, default=1)
+    parser.add_argument("--val-every", type=int, default=0)
+    parser.add_argument("--val-batches", type=int, default=4)
+    parser.add_argument("--val-ms", type=float, default=8.0, help="per validation batch")
+    parser.add_argument("--val-rank", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -78,6 +85,18 @@ def main() -> None:
             for _ in range(side_forwards):
                 metric(x)
 
+    val_set = SleepyDataset(args.batch_size * args.val_batches, args.val_ms / args.batch_size)
+    val_loader = DataLoader(val_set, batch_size=args.batch_size)
+
+    def validate() -> None:
+        model.eval()
+        with torch.no_grad():
+            for x, _ in val_loader:
+                model.module(x)  # the inner model: DDP's forward outside training would sync buffers
+        model.train()
+
+    step = 0
+
     try:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
@@ -87,6 +106,9 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 side_work(x)
+                step += 1
+                if args.val_every and step % args.val_every == 0 and rank == args.val_rank:
+                    validate()
         print(f"ddp: rank {rank} trained", flush=True)
     finally:
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ from stepscope.record import TOTAL, phase_order
 from stepscope.summary import Cluster, Exit, PhaseStats, RunSummary, Steps, Straggler, Throughput
 
 STRAGGLER_MIN = 0.05
+VALIDATION_WAIT_MIN = 0.02  # of a rank's step time: a smaller wait for other ranks' validation stays in its steps
 STRAGGLER_SHARE = 0.5  # of the largest difference between ranks: a phase that differs less is not the cause
 COMMS = "comms"
 EXIT_SEVERITY = ("finished", "stopped", "running", "interrupted", "terminated", "killed", "error")
@@ -282,6 +283,87 @@ def _job_eval(ranks: list[RunSummary], clock: RunSummary | None) -> dict[str, An
     return {**chosen.eval, "rank": _rank(chosen)} if chosen is not None else {}
 
 
+def _comms_s(summary: RunSummary) -> float:
+    """A rank's host time in collectives over its measured steps (s)."""
+    comms = summary.phases.get(COMMS)
+    return comms.mean_ms * comms.steps / 1e3 if comms is not None else 0.0
+
+
+def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
+    """A synchronous job's ranks, each with the time it waited in collectives for another rank's validation moved
+    out of its steps into its validation time (``wall.eval_s``), with a note.
+
+    Validation is cut out of the steps of the rank that runs it (passes in at most half its steps); a rank that
+    validates less (rank 0 alone validates, or holds more batches) waits for the difference in its next step's
+    collective, and that wait is the job's validation, not its step. The wait moved is at most the difference in
+    validation time, and at most the rank's time in collectives beyond the least any rank spent in them (the
+    collectives' own cost). Without this, a job whose rank 0 alone validates reads the others' waits as its step:
+    the step rate ~half the truth, and a straggler in whatever rank 0's steps do most.
+    Host time in ``comms`` only: where the host does not block in the collective (NCCL), the wait shows in the
+    phase that next waits for the GPU, and stays there."""
+    timed = [r for r in ranks if r.wall is not None and r.steps.measured and TOTAL in r.phases]
+    if len(timed) < 2 or not synchronous(timed):
+        return ranks
+    validating = max(timed, key=lambda r: r.wall.eval_s)  # type: ignore[union-attr]
+    passes = (validating.eval or {}).get("passes") or 0
+    if not 0 < passes <= validating.steps.measured / 2:
+        # Validation recurs now and then. A stretch cut out of most steps is one the recurrence rule missed (issue
+        # 24's side work): nothing says the other ranks wait for a validation.
+        return ranks
+    floor_s = min(_comms_s(r) for r in timed)
+    out = []
+    for r in ranks:
+        wait_s = 0.0
+        if r in timed and r is not validating:
+            wait_s = min(validating.wall.eval_s - r.wall.eval_s, _comms_s(r) - floor_s)  # type: ignore[union-attr]
+        if wait_s <= VALIDATION_WAIT_MIN * r.wall.steps_s:  # type: ignore[union-attr]
+            out.append(r)
+            continue
+        out.append(_without_wait(r, wait_s, _rank(validating)))
+    return out
+
+
+def _without_wait(summary: RunSummary, wait_s: float, validating: int) -> RunSummary:
+    """``summary`` with ``wait_s`` of its ``comms`` (waiting for rank ``validating``'s validation) out of its
+    steps and in its validation time. Means and shares move exactly; a phase's median and p95 stay as measured
+    (the wait fell in a few steps, which the percentiles cannot be corrected for without them)."""
+    measured = summary.steps.measured
+    wait_ms = wait_s * 1e3 / measured  # per measured step
+    total = summary.phases[TOTAL]
+    step_ms = total.mean_ms - wait_ms
+    scale = total.mean_ms / step_ms
+    phases = {}
+    for name, stats in summary.phases.items():
+        moved = dataclasses.replace(
+            stats,
+            share=stats.share * scale,
+            device_share=stats.device_share * scale if stats.device_share is not None else None,
+        )
+        if name == COMMS:
+            moved.mean_ms -= wait_s * 1e3 / stats.steps
+            moved.share = (stats.share * total.mean_ms - wait_ms) / step_ms
+        elif name == TOTAL:
+            moved.mean_ms, moved.share = step_ms, 1.0
+        phases[name] = moved
+    rates = summary.throughput
+    throughput = dataclasses.replace(
+        rates,
+        steps_per_s=1e3 / step_ms,
+        samples_per_s=rates.samples_per_s * scale if rates.samples_per_s is not None else None,
+        step_time_ms=step_ms,
+    )
+    wall = dataclasses.replace(
+        summary.wall,  # type: ignore[arg-type]
+        steps_s=summary.wall.steps_s - wait_s,  # type: ignore[union-attr]
+        eval_s=summary.wall.eval_s + wait_s,  # type: ignore[union-attr]
+    )
+    note = (
+        f"waited {wait_ms:.1f} ms a step ({wait_s:.2f} s in all) in collectives for rank {validating}'s "
+        "validation, which it ran longer: counted as validation time, not step time"
+    )
+    return dataclasses.replace(summary, phases=phases, throughput=throughput, wall=wall, notes=[*summary.notes, note])
+
+
 def _sampled(summary: RunSummary) -> bool:
     return bool(summary.throughput.samples_per_s and summary.throughput.steps_per_s)
 
@@ -293,6 +375,7 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
     ranks = sorted(ranks, key=_rank)
     if len(ranks) == 1 and (expected_world or 1) == 1:
         return ranks[0]
+    ranks = validation_waits(ranks)
     first = ranks[0]
     world = expected_world or max((r.meta.world_size or 0 for r in ranks), default=0) or len(ranks)
     names: list[str] = []
