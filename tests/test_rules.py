@@ -487,6 +487,22 @@ def bursty_without_workers() -> Case:
     return Case(make_summary(PREFETCH_PHASES, loaders=[loader(num_workers=0)], stats=BURSTY))
 
 
+@negative("loader.prefetch")
+def bursts_at_short_epochs_restarts() -> Case:
+    # The truth generator's c067: an epoch every 5 batches starts the one worker again; the p95 is the epochs'
+    # first fetches, which a deeper buffer (empty at every new iterator) cannot absorb.
+    epochs = [Epoch(0, i, 0.1, 5, 40, 21.0, True) for i in range(8)]
+    summary = make_summary(PREFETCH_PHASES, loaders=[loader(persistent_workers=False)], stats=BURSTY, epochs=epochs)
+    return Case(summary)
+
+
+@positive("loader.prefetch", 0.3, "data_wait median 2.00 ms but mean 30.0 ms and p95 150.0 ms")
+def bursty_fetches_in_long_epochs() -> Case:
+    epochs = [Epoch(0, i, 3.0, 100, 800, 21.0, True) for i in range(3)]
+    summary = make_summary(PREFETCH_PHASES, loaders=[loader(persistent_workers=False)], stats=BURSTY, epochs=epochs)
+    return Case(summary)
+
+
 @positive("loader.too_many_workers", None, "loader 0 (ToyDataset): 8 workers × 1 rank(s) for 4 cgroup quota")
 def workers_over_quota() -> Case:
     return Case(healthy(loaders=[loader(num_workers=8)], facts={"threads": threads_fact(cpu_quota=4.0)}, world_size=1))

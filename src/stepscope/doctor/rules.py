@@ -497,6 +497,8 @@ def _prefetch(case: Case) -> Finding | None:
         return None
     shares = loader_shares(case)
     loader = max(loaders, key=lambda x: shares.get(x.index, 0.0))
+    if _restarts_in_tail(case, loader):
+        return None
     factor = loader.prefetch_factor or 2
     evidence = [
         f"data_wait median {stats.median_ms:.2f} ms but mean {stats.mean_ms:.1f} ms and p95 {stats.p95_ms:.1f} ms",
@@ -506,6 +508,16 @@ def _prefetch(case: Case) -> Finding | None:
     full = cores is not None and loader.num_workers * case.local_ranks() >= cores  # no core for another worker
     how = f"DataLoader(..., prefetch_factor={max(4, 2 * factor)})" + ("" if full else " or more workers")
     return Finding(evidence, data, "at most the time spent waiting for data", how=how)
+
+
+def _restarts_in_tail(case: Case, loader: LoaderInfo) -> bool:
+    """Whether ``loader``'s slowest fetches may be its epochs' first: it starts its workers again at every epoch,
+    and an epoch is short enough (≤ 20 batches) for first fetches to reach the p95. A deeper buffer starts empty with
+    every new iterator: such bursts are ``loader.persistent_workers``'s."""
+    if loader.persistent_workers:
+        return False
+    complete = [e for e in case.summary.epochs if e.loader == loader.index and e.complete and e.batches]
+    return bool(complete) and statistics.fmean(e.batches for e in complete) <= 1 / (1 - 0.95)
 
 
 @rule(
