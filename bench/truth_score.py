@@ -288,11 +288,17 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
     lead = own[0]
     if spec.straggler is not None:
         lead = next(o for o in own if o.rank == spec.straggler.rank)
+    # A rank that validates less waits for the difference in its next step's all-reduce (inside its own timer of
+    # backward): the job's validation, not its step (docs/run.md).
+    val_s = max(o.val_s for o in own)
     checks = []
     for o in own:
         for phase in _checked_phases(spec, o.rank):
             injected = sum(v for k, v in o.injected.items() if _label_phase(k) == phase)
-            checks.append(PhaseCheck(o.rank if spec.ranks > 1 else None, phase, o.phases[phase], injected))
+            expected = o.phases[phase]
+            if phase == "backward":
+                expected -= (val_s - o.val_s) * 1e3 / o.steps
+            checks.append(PhaseCheck(o.rank if spec.ranks > 1 else None, phase, expected, injected))
     bound_ok, why = _bound(spec, own)
     causes = {g: _cause(spec, lead, g) for g in bound_ok if g != "balanced"}
     causes["balanced"] = causes[bound_ok[0]]
@@ -311,9 +317,15 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         for name in own[0].loader_wait
         if not injected or name in injected
     }
+    step_rate = min(o.steps / (o.wall_s - val_s) for o in own)
+    secondary = _injected_causes(spec, lead)
+    if spec.val and val_s > 0:
+        secondary["validation"] = max(o.val_s / o.wall_s for o in own)
     return Expectation(
         checks=checks,
-        val_passes=min(o.val_passes for o in own),
+        val_passes=max(o.val_passes for o in own)
+        if spec.val and spec.val.only_rank is not None
+        else min(o.val_passes for o in own),
         bound_ok=bound_ok,
         bound_why=why,
         contention_ok=spec.bg_load > 0,
@@ -323,10 +335,10 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         fix_lines={k: v for k, v in script_line.items() if v is not None},
         fix_rank=s.rank if s is not None else None,
         straggler_group=GROUPS[straggler[1]] if straggler is not None else None,
-        secondary=_injected_causes(spec, lead),
-        step_rate=min(o.step_rate for o in own),
+        secondary=secondary,
+        step_rate=step_rate,
         wall_rate=min(o.wall_rate for o in own),
-        sample_rate=sum(o.samples for o in own) * min(o.step_rate for o in own),
+        sample_rate=sum(o.samples for o in own) * step_rate,
         restarting_loaders=[ld.name for ld in spec.loaders if ld.workers] if spec.epoch_batches else [],
     )
 

@@ -498,7 +498,8 @@ def _after_step(spec: CaseSpec) -> tuple[list[str], int | None, int | None]:
         out.append(f'{body}torch.save({{"model": model.state_dict(), "blob": blob}}, ckpt_path)')
         out.append(f'{body}TRUTH.inject("checkpoint", clock() - start)')
     if spec.val:
-        out += [f"{ind}if step % {spec.val.every} == 0:", f"{ind}    validate(model, val_loader)"]
+        alone = "" if spec.val.only_rank is None else f" and RANK == {spec.val.only_rank}"
+        out += [f"{ind}if step % {spec.val.every} == 0{alone}:", f"{ind}    validate(model, val_loader)"]
     out += [f"{ind}if step == MAX_STEPS:", f"{ind}    break"]
     return out, log_at, ckpt_at
 

@@ -26,6 +26,7 @@ CYCLE_SHARE = 0.15  # of the cases whose short map-style loaders are iterated th
 EPOCHS_SHARE = 0.35  # of the cases whose short map-style loaders start a new epoch every few steps
 CRITIC_SHARE = 0.15  # of the cases with a second model trained by its own optimizer every step (a GAN's)
 SCHEDULER_SHARE = 0.3  # of the cases stepping a learning-rate scheduler after each step
+RANK0_VAL_SHARE = 0.5  # of the 2-rank cases with validation, where rank 0 alone validates
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class ValSpec:
     every: int
     batches: int
     cost: Cost | None = None  # per validation batch, in the validation Dataset
+    only_rank: int | None = None  # the rank that alone validates (the others wait for it); None: every rank
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,8 @@ class CaseSpec:
         if self.side:
             parts.append(f"side={self.side.role}@{self.side.where}({self.side.cost.describe()})")
         if self.val:
-            parts.append(f"val=every{self.val.every}x{self.val.batches}")
+            alone = "" if self.val.only_rank is None else f"@rank{self.val.only_rank}"
+            parts.append(f"val=every{self.val.every}x{self.val.batches}{alone}")
         if self.checkpoint_mb:
             parts.append(f"checkpoint={self.checkpoint_mb:g}MB")
         if self.log:
@@ -268,6 +271,7 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
     if shapes.random() < CRITIC_SHARE:
         spec.critic = shapes.choice(("before", "after"))
     spec.scheduler = shapes.random() < SCHEDULER_SHARE
+    rank0_val = shapes.random() < RANK0_VAL_SHARE
     if spec.optimizer is not None or (spec.straggler and spec.straggler.phase == "optimizer"):
         spec.optimizer_style = rng.choice(("subclass", "wrapper"))
     if rng.random() < 0.3:
@@ -277,6 +281,8 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
     if rng.random() < 0.35:
         val_cost = _cost(rng, 1.0, 4.0, 0.3) if rng.random() < 0.5 else None
         spec.val = ValSpec(every=rng.randint(5, 10), batches=rng.randint(2, 4), cost=val_cost)
+        if spec.ranks > 1 and rank0_val:
+            spec.val = replace(spec.val, only_rank=0)
     if spec.ranks == 1 and not load and rng.random() < 0.08:
         spec.bg_load = rng.choice((1, 2))
     if load:
