@@ -31,6 +31,11 @@ def rank(r: int, phases_ms: dict[str, float], world: int = 2) -> RunSummary:
     return summary
 
 
+def two_ranks(fast: dict[str, float], slow: dict[str, float]) -> RunSummary:
+    """The examined job of rank 0 with ``fast``'s phases (ms) and rank 1 with ``slow``'s."""
+    return examine(merge([rank(0, fast), rank(1, slow)]), [])
+
+
 # Rank 1's loader is 10.9 ms slower per batch; rank 0 waits for it in DDP's all-reduce (comms). Both 17.7 ms steps.
 FAST = {"data_wait": 0.5, "forward": 1.0, "backward": 4.0, "comms": 11.5, "optimizer": 0.5, "other": 0.2}
 SLOW = {"data_wait": 11.4, "forward": 1.0, "backward": 4.0, "comms": 0.6, "optimizer": 0.5, "other": 0.2}
@@ -97,7 +102,7 @@ def test_a_small_excess_on_a_step_every_rank_spends_elsewhere_is_named_but_not_t
     # host leads it: "data" would aim the user at 7% of the step.
     fast = {"data_wait": 0.4, "forward": 4.3, "backward": 2.9, "comms": 3.6, "optimizer": 0.2, "other": 19.2}
     slow = {**fast, "data_wait": 2.6, "comms": 1.4}
-    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    job = two_ranks(fast, slow)
     assert (job.cluster.straggler.rank, job.cluster.straggler.phase) == (1, "data_wait")
     assert attributed_straggler(job) is not None
     assert (job.verdict.bound, job.verdict.confidence) == ("host", "high"), job.verdict
@@ -112,13 +117,13 @@ def test_an_excess_that_leads_a_step_no_group_holds_40_percent_of_is_still_the_b
     # Rank 1's data group (6 ms: 5.5 ms excess) leads its 16.5 ms step at 36%, under the 40% a bound by share needs.
     fast = {"data_wait": 0.5, "forward": 2.0, "backward": 2.0, "comms": 6.0, "optimizer": 3.0, "other": 3.0}
     slow = {**fast, "data_wait": 6.0, "comms": 0.5}
-    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    job = two_ranks(fast, slow)
     assert job.verdict.bound == "data", job.verdict
     assert job.verdict.evidence[0].startswith("rank 1's data_wait is 5.5 ms above"), job.verdict
     # Its 4 ms excess no longer leads when compute holds 5 ms of rank 1's step: no group is the job's bound.
     fast = {"data_wait": 0.5, "forward": 2.5, "backward": 2.5, "comms": 4.5, "optimizer": 4.0, "other": 4.0}
     slow = {**fast, "data_wait": 4.5, "comms": 0.5}
-    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    job = two_ranks(fast, slow)
     assert job.verdict.bound == "balanced", job.verdict
     assert job.verdict.evidence[0].startswith("rank 1: no part of the step reaches 40%"), job.verdict
     assert job.verdict.evidence[1].startswith("rank 1's data_wait is 4.0 ms above"), job.verdict
@@ -129,17 +134,17 @@ def test_the_stragglers_own_comms_never_decide_its_step():
     # (12 ms) lead its step, above its 9 ms data_wait excess. Its waiting is not why it is the slowest.
     fast = {"data_wait": 1.0, "forward": 2.0, "backward": 2.0, "comms": 21.0, "optimizer": 1.0, "other": 1.0}
     slow = {**fast, "data_wait": 10.0, "comms": 12.0}
-    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    job = two_ranks(fast, slow)
     assert (job.cluster.straggler.rank, job.cluster.straggler.phase) == (1, "data_wait")
     assert job.verdict.bound == "data", job.verdict
     assert job.verdict.evidence[0].startswith("rank 1's data_wait is 9.0 ms above"), job.verdict
     # When its own work spreads thin beside its comms, no group is the job's bound unless the excess leads it.
     fast = {"data_wait": 1.0, "forward": 3.0, "backward": 3.0, "comms": 20.0, "optimizer": 5.0, "other": 5.0}
     slow = {**fast, "data_wait": 5.5, "comms": 15.5}
-    job = examine(merge([rank(0, fast), rank(1, slow)]), [])
+    job = two_ranks(fast, slow)
     assert job.verdict.bound == "balanced", job.verdict
     assert job.verdict.evidence[0].startswith("rank 1: no part of the step but comms reaches 40%"), job.verdict
-    job = examine(merge([rank(0, fast), rank(1, {**slow, "data_wait": 7.0})]), [])
+    job = two_ranks(fast, {**slow, "data_wait": 7.0})
     assert job.verdict.bound == "data", job.verdict
 
 
