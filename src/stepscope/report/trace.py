@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.analyses.trace.analyze import RankTrace, TraceAnalysis, job_verdict
-from stepscope.report.terminal import _ASCII_HEAD, RANK_ROWS, _console, _plain, outliers, terminal_safe
+from stepscope.report.console import _ASCII_HEAD, RANK_ROWS, _console, _plain, outliers, terminal_safe
 
 
 def _text(value: object) -> str:
