@@ -18,7 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.record import TOTAL
-from stepscope.report.console import _ASCII_HEAD, RANK_ROWS, _console, _plain, outliers, terminal_safe
+from stepscope.report.console import _ASCII_HEAD, _console, _plain
+from stepscope.report.text import RANK_ROWS, outliers, terminal_safe
 from stepscope.summary import Fix, RunSummary, describe_value
 
 
