@@ -24,6 +24,14 @@ from typing import Any, BinaryIO
 import numpy as np
 import orjson
 
+try:  # ISA-L's inflate (the extra stepscope[fast]): zlib's interface, ~3x its speed, a quarter of a trace's read time
+    from isal import isal_zlib as INFLATE
+
+    INFLATE_ERRORS: tuple[type[Exception], ...] = (INFLATE.error, zlib.error)
+except ImportError:
+    INFLATE = zlib  # type: ignore[no-redef]
+    INFLATE_ERRORS = (zlib.error,)
+
 CHUNK_BYTES = 8 << 20  # decompressed bytes per parse: large enough to amortise numpy calls, small enough for caches
 HEAD_BYTES = 64 << 10  # searched for the start of traceEvents before the whole first chunk
 GZIP_MAGIC = b"\x1f\x8b"
@@ -56,7 +64,7 @@ def _chunks(handle: BinaryIO, compressed: bool) -> Iterator[bytes]:
         while chunk := handle.read(CHUNK_BYTES):
             yield chunk
         return
-    inflate = zlib.decompressobj(wbits=31)
+    inflate = INFLATE.decompressobj(wbits=31)
     fed = False  # whether the current member has begun: a stream may end only between members
     while raw := handle.read(CHUNK_BYTES // 4):
         while raw:
@@ -68,7 +76,7 @@ def _chunks(handle: BinaryIO, compressed: bool) -> Iterator[bytes]:
             out = inflate.decompress(raw, CHUNK_BYTES)
             if inflate.eof:  # what follows the member is all in unused_data (unconsumed_tail may repeat it)
                 raw = inflate.unused_data
-                inflate, fed = zlib.decompressobj(wbits=31), False
+                inflate, fed = INFLATE.decompressobj(wbits=31), False
             else:
                 raw = inflate.unconsumed_tail
             if out:
@@ -174,7 +182,7 @@ def iter_decoded(
         handle.seek(0)
         try:
             yield from _parse(_chunks(handle, compressed), trace, decode, share)
-        except (zlib.error, EOFError) as error:
+        except (*INFLATE_ERRORS, EOFError) as error:
             raise TraceReadError(f"the gzip data is corrupt ({error})") from None
         except (TraceReadError, SplitError):
             raise
