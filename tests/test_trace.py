@@ -502,6 +502,19 @@ def test_one_fractional_timestamp_anywhere_rounds_all(tmp_path):
     assert t.rounded and (t.device["end"] - t.device["ts"]).tolist() == [10.0]
 
 
+@pytest.mark.parametrize("odd", [{"ph": "Z"}, {}, {"ph": 5}], ids=["unknown-phase", "no-phase", "phase-not-text"])
+def test_events_of_odd_phases_count_by_their_timestamp_alone(tmp_path, odd):
+    """The decoder tells complete events from the others by their phase: an event of a phase it does not know (or
+    none) sends its run to the generic decoder, which reads the same: its fractional ts rounds the trace, the rest
+    of it is not kept."""
+    trace = Kineto()
+    trace.kernel(GEMM, 100, 10.5)
+    trace.events.append({**odd, "cat": "kernel", "name": "odd", "ts": ORIGIN_US + 0.5, "dur": 3, "args": {"stream": 7}})
+    t = read_trace(trace.write(tmp_path / "odd.json"))
+    assert t.rounded and (t.device["end"] - t.device["ts"]).tolist() == [10.0]
+    assert [t.names[i] for i in t.device["name"].tolist()] == [GEMM]
+
+
 @pytest.mark.parametrize(
     "name, meta, expected",
     [
