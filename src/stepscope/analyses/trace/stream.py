@@ -38,6 +38,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 _QUOTE, _OPEN, _CLOSE = 0x22, 0x7B, 0x7D  # '"' and, once OR-ed with 0x20, '{' / '[' and '}' / ']'
 _SEPARATORS = b", \t\r\n"  # what may come between two events of the array
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*$')
+_BLANKS = re.compile(rb"\s*")  # what bytes.lstrip() strips
 
 
 class TraceReadError(ValueError):
@@ -235,7 +236,8 @@ def _parse(
     start = -1
     for chunk in chunks:
         header += chunk
-        if not header.lstrip().startswith(b"{"):
+        first = _BLANKS.match(header).end()  # not header.lstrip(): Kineto starts with a newline, and that copies 8 MB
+        if header[first : first + 1] != b"{":
             _refuse(header)
         start = _events_start(header)
         if start >= 0 or len(header) > 64 * CHUNK_BYTES:
@@ -243,7 +245,7 @@ def _parse(
     if start < 0:
         _refuse(header)
     # a bytearray, so that runs are decoded in place and cuts are cheap; a blank stands for the "[" (see _decode_run)
-    pending, header = bytearray(header[start - 1 :]), header[: start - 1]
+    pending, header = bytearray(memoryview(header)[start - 1 :]), header[: start - 1]
     pending[0] = 0x20
     trailer = None
     for chunk in itertools.chain([b""], chunks, [None]):  # None: the file has ended, cut exactly what is left
