@@ -247,6 +247,22 @@ def test_stream_tolerates_zero_padding_after_gzip(tmp_path, small_chunks, paddin
     assert events == json.loads(raw)["traceEvents"]
 
 
+@pytest.mark.parametrize("chunks_before", [0, 3, 40])
+def test_stream_finds_trace_events_after_long_metadata(tmp_path, small_chunks, chunks_before):
+    """The array is found however many chunks of metadata come first (the head is searched again as it grows)."""
+    chunk = small_chunks(4096)
+    trace = Kineto()
+    for i in range(30):
+        trace.kernel(ADD, 10 * i, 5)
+    data = json.loads(trace.text("compact"))
+    data = {"hosts": [{"name": "x" * 100, "id": i} for i in range(chunks_before * chunk // 110)], **data}
+    path = tmp_path / "far.json"
+    path.write_text(json.dumps(data))
+    events, info = read_stream(path)
+    assert events == data["traceEvents"]
+    assert info.meta["hosts"] == data["hosts"] and len(path.read_bytes()) > chunks_before * chunk
+
+
 def test_every_real_trace_is_found_unchanged():
     """Each file of the manifest is in the repository with its SHA-256: a missing or altered trace fails here, by
     name."""
