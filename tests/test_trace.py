@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,20 @@ def small_chunks(monkeypatch):
     return use
 
 
+@pytest.fixture(params=["isal", "zlib"])
+def inflate(request, monkeypatch):
+    """A gzip test run with ISA-L's inflate (the extra stepscope[fast], in the dev set) and with zlib's, which the
+    reader falls back to without it."""
+    if request.param == "zlib":
+        monkeypatch.setattr(stream, "INFLATE", zlib)
+        monkeypatch.setattr(stream, "INFLATE_ERRORS", (zlib.error,))
+    else:
+        isal_zlib = pytest.importorskip("isal.isal_zlib")
+        monkeypatch.setattr(stream, "INFLATE", isal_zlib)
+        monkeypatch.setattr(stream, "INFLATE_ERRORS", (isal_zlib.error, zlib.error))
+    return request.param
+
+
 @pytest.fixture
 def no_gc():
     """Large real traces make millions of dicts: the cyclic collector only slows their parse down."""
@@ -195,7 +210,7 @@ def test_stream_empty_trace_events_array(tmp_path):
 
 
 @pytest.mark.parametrize("cuts", [(1,), (97, 300), (5, 6, 7, 2000), "repetitive"])
-def test_stream_reads_multi_member_gzip(tmp_path, small_chunks, cuts):
+def test_stream_reads_multi_member_gzip(tmp_path, small_chunks, cuts, inflate):
     small_chunks(64)
     raw = tricky_trace().text("compact")
     if cuts == "repetitive":  # members that compress 10x: each 16-byte read inflates past the 64-byte cap
@@ -218,7 +233,7 @@ def test_stream_reads_multi_member_gzip(tmp_path, small_chunks, cuts):
 
 
 @pytest.mark.parametrize("padding", [1, 100, 5000], ids=["1-byte", "within-a-read", "across-reads"])
-def test_stream_tolerates_zero_padding_after_gzip(tmp_path, small_chunks, padding):
+def test_stream_tolerates_zero_padding_after_gzip(tmp_path, small_chunks, padding, inflate):
     """gzip (and Python's gzip module) accept any run of zero bytes after the last member (tape-block padding)."""
     chunk = small_chunks(4096)  # compressed reads of chunk // 4 = 1024 bytes: 5000 zeros span several reads
     raw = tricky_trace().text("compact")
@@ -230,6 +245,22 @@ def test_stream_tolerates_zero_padding_after_gzip(tmp_path, small_chunks, paddin
     except TraceReadError as error:
         pytest.fail(f"{padding} zero bytes after the gzip member (reads of {chunk // 4} bytes) refused: {error}")
     assert events == json.loads(raw)["traceEvents"]
+
+
+@pytest.mark.parametrize("chunks_before", [0, 3, 40])
+def test_stream_finds_trace_events_after_long_metadata(tmp_path, small_chunks, chunks_before):
+    """The array is found however many chunks of metadata come first (the head is searched again as it grows)."""
+    chunk = small_chunks(4096)
+    trace = Kineto()
+    for i in range(30):
+        trace.kernel(ADD, 10 * i, 5)
+    data = json.loads(trace.text("compact"))
+    data = {"hosts": [{"name": "x" * 100, "id": i} for i in range(chunks_before * chunk // 110)], **data}
+    path = tmp_path / "far.json"
+    path.write_text(json.dumps(data))
+    events, info = read_stream(path)
+    assert events == data["traceEvents"]
+    assert info.meta["hosts"] == data["hosts"] and len(path.read_bytes()) > chunks_before * chunk
 
 
 def test_every_real_trace_is_found_unchanged():
@@ -261,7 +292,7 @@ def test_stream_equals_json_load_on_real_traces(relative, small_chunks, no_gc):
     assert info.bytes_read == len(raw)
 
 
-def test_stream_reads_a_real_trace_split_into_gzip_members(tmp_path, no_gc):
+def test_stream_reads_a_real_trace_split_into_gzip_members(tmp_path, no_gc, inflate):
     """`cat a.gz b.gz`: at the default chunk size, the first member ends in a decompress call fed the previous call's
     unconsumed input (its output was capped at CHUNK_BYTES); the next member must be read once, from its first byte."""
     raw = gzip.decompress(hta_file("nccl_parser_config/nccl_data.json.gz").read_bytes())
@@ -370,7 +401,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("content, reason", list(BAD_INPUTS.values()), ids=list(BAD_INPUTS))
-def test_stream_refuses_bad_input_with_one_sentence(tmp_path, content, reason):
+def test_stream_refuses_bad_input_with_one_sentence(tmp_path, content, reason, inflate):
     path = tmp_path / "bad.json"
     path.write_bytes(content)
     got = reason_of(path)
@@ -378,7 +409,7 @@ def test_stream_refuses_bad_input_with_one_sentence(tmp_path, content, reason):
     assert "\n" not in got, "the reason is one line"
 
 
-def test_truncation_reason_counts_the_events_read(tmp_path, small_chunks):
+def test_truncation_reason_counts_the_events_read(tmp_path, small_chunks, inflate):
     small_chunks(256)
     trace = Kineto()
     for i in range(50):
@@ -485,6 +516,19 @@ def test_one_fractional_timestamp_anywhere_rounds_all(tmp_path):
     trace.events.append({"ph": "i", "name": "mark", "pid": 1, "tid": 1, "ts": ORIGIN_US + 0.5, "s": "t"})
     t = read_trace(trace.write(tmp_path / "mixed.json"))
     assert t.rounded and (t.device["end"] - t.device["ts"]).tolist() == [10.0]
+
+
+@pytest.mark.parametrize("odd", [{"ph": "Z"}, {}, {"ph": 5}], ids=["unknown-phase", "no-phase", "phase-not-text"])
+def test_events_of_odd_phases_count_by_their_timestamp_alone(tmp_path, odd):
+    """The decoder tells complete events from the others by their phase: an event of a phase it does not know (or
+    none) sends its run to the generic decoder, which reads the same: its fractional ts rounds the trace, the rest
+    of it is not kept."""
+    trace = Kineto()
+    trace.kernel(GEMM, 100, 10.5)
+    trace.events.append({**odd, "cat": "kernel", "name": "odd", "ts": ORIGIN_US + 0.5, "dur": 3, "args": {"stream": 7}})
+    t = read_trace(trace.write(tmp_path / "odd.json"))
+    assert t.rounded and (t.device["end"] - t.device["ts"]).tolist() == [10.0]
+    assert [t.names[i] for i in t.device["name"].tolist()] == [GEMM]
 
 
 @pytest.mark.parametrize(
@@ -1047,7 +1091,7 @@ def test_real_cpu_only_traces(relative):
     assert gpu == (None,) * 5 and rank.idle_breakdown is None and rank.wall is None
 
 
-def test_real_truncated_and_corrupt_traces(tmp_path):
+def test_real_truncated_and_corrupt_traces(tmp_path, inflate):
     """A real trace cut in the middle and re-gzipped, one with flipped bytes, and a good one: the good one counts."""
     source = hta_file("trace_filter/sampled_rank-1.json.gz")
     raw = gzip.decompress(source.read_bytes())

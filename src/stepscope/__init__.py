@@ -36,7 +36,7 @@ _EXPORTS = {
     "PhaseStats": "stepscope.summary",
     "RunSummary": "stepscope.summary",
     "SummaryError": "stepscope.summary",
-    "Verdict": "stepscope.summary",
+    "Verdict": "stepscope.verdict",
 }
 
 __all__ = [
@@ -84,7 +84,8 @@ if TYPE_CHECKING:
     from stepscope.instrument.profile import NsysWindow, ProfileWindow
     from stepscope.pipeline.monitor import PipelineMonitor, PipelineSnapshot
     from stepscope.scope import NULL_SCOPE, NullScope, Scope
-    from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError, Verdict
+    from stepscope.summary import Fix, PhaseStats, RunSummary, SummaryError
+    from stepscope.verdict import Verdict
 
 
 def __getattr__(name: str) -> Any:

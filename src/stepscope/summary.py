@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from stepscope.verdict import Verdict  # part of the schema, and of trace analyses
+
 SCHEMA_VERSION = 8
 
 BOUNDS = ("data", "compute", "optimizer", "host", "comms", "memory", "inference", "training", "balanced", "unknown")
@@ -121,15 +123,6 @@ class Wall:
     steps_s: float = 0.0  # inside measured training steps
     eval_s: float = 0.0  # inside validation passes
     between_s: float = 0.0  # in neither: steps torch.profiler recorded, stepscope's own checkpoint writes, ...
-
-
-@dataclass
-class Verdict:
-    """The bottleneck and the figures it rests on."""
-
-    bound: str = "unknown"
-    confidence: str = "low"  # "high" | "medium" | "low"
-    evidence: list[str] = field(default_factory=list)
 
 
 def is_final(summary: RunSummary) -> bool:

@@ -13,3 +13,7 @@ PROGRESS_MODES = ("auto", "live", "plain", "none")
 # The stack sampler's rates (collectors/stacks.py), here so that the command line reads them without importing it.
 DEFAULT_STACK_HZ = 100.0
 MAX_STACK_HZ = 1000.0
+
+# The prefix of the phase ranges the capture writes (profile.py), here so that the trace analysis reads it without
+# importing the capture (and logging).
+RANGE_PREFIX = "stepscope/"

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stepscope.instrument import RANGE_PREFIX
+
 log = logging.getLogger("stepscope")
-RANGE_PREFIX = "stepscope/"
 
 
 @dataclass

@@ -11,7 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.analyses.ab import FASTER, NO_DIFFERENCE, SLOWER, ABResult, Comparison, VariantResult
-from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
+from stepscope.report.console import _ASCII_HEAD, _console, _plain
+from stepscope.report.text import terminal_safe
 
 _MEMORY_SOURCE = {"torch reserved": "gpu", "gpu (nvml)": "gpu", "host rss": "rss"}
 

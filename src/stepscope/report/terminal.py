@@ -8,13 +8,9 @@ read as rich markup.
 from __future__ import annotations
 
 import math
-import os
-import re
 import statistics
-import sys
 import textwrap
-from collections.abc import Callable
-from typing import IO, TypeVar
+from typing import IO
 
 from rich import box
 from rich.console import Console
@@ -22,35 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.record import TOTAL
+from stepscope.report.console import _ASCII_HEAD, _console, _plain
+from stepscope.report.text import RANK_ROWS, outliers, terminal_safe
 from stepscope.summary import Fix, RunSummary, describe_value
-
-# SIMPLE_HEAD with an ASCII rule under the header.
-_ASCII_HEAD = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
-
-
-def _console(file: IO[str] | None) -> Console:
-    file = file or sys.stdout
-    plain = bool(os.environ.get("CI")) or not (hasattr(file, "isatty") and file.isatty())
-    if plain:
-        # A log or a file: long lines stay whole (wrapping mid-sentence breaks grep and copy); tables keep 110.
-        return Console(file=file, force_terminal=False, color_system=None, highlight=False, width=110, soft_wrap=True)
-    return Console(file=file, highlight=False)
-
-
-def _plain(console: Console) -> bool:
-    return console.color_system is None
-
-
-# C0 and C1 controls (escape sequences, newlines, tabs, carriage returns, backspace), line and paragraph separators,
-# and the bidirectional overrides that can make a line read differently from what it holds
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def terminal_safe(text: object) -> str:
-    """``text`` made safe for one terminal line: each control character (ESC, a newline, a carriage return...)
-    is shown as its escape (``\\x1b``, ``\\n``), so a string from a run (a command, an error, a file or kernel
-    name) can neither move the cursor, recolour the terminal nor forge a line of the report."""
-    return _UNSAFE.sub(lambda match: repr(match.group())[1:-1], str(text))
 
 
 def _fmt_ms(value: float | None) -> str:
@@ -165,18 +135,6 @@ def eval_line(summary: RunSummary) -> str | None:
         f"eval: {passes['passes']} validation pass(es) between steps, mean {passes['mean_ms']:.1f} ms "
         f"({inside} ms), {100 * passes['share_of_wall']:.0f}% of wall time; kept out of the step figures"
     )
-
-
-T = TypeVar("T")
-RANK_ROWS = 16  # a larger job's table shows its outliers: 1,024 rows would bury the rest of the report
-
-
-def outliers(ranks: list[T], distance: Callable[[T], float], rank: Callable[[T], int]) -> list[T]:
-    """The rows of a rank table: all ``ranks`` up to ``RANK_ROWS``, else the ``RANK_ROWS`` with the largest
-    ``distance`` from the job (ties in rank order), in ``rank`` order. The JSON keeps every rank."""
-    if len(ranks) <= RANK_ROWS:
-        return ranks
-    return sorted(sorted(ranks, key=distance, reverse=True)[:RANK_ROWS], key=rank)
 
 
 def shown_ranks(summary: RunSummary) -> list[RunSummary]:

@@ -15,7 +15,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from stepscope.instrument.tune import LossComparison, TuneResult, run_line
-from stepscope.report.terminal import _ASCII_HEAD, _console, _plain, terminal_safe
+from stepscope.report.console import _ASCII_HEAD, _console, _plain
+from stepscope.report.text import terminal_safe
 from stepscope.summary import RunSummary
 
 

@@ -26,8 +26,8 @@ from stepscope.analyses.trace.ops import OpStat, top_ops
 from stepscope.analyses.trace.shares import idle_cores, usable_cores
 from stepscope.analyses.trace.steps import step_marks
 from stepscope.analyses.trace.stream import TraceReadError
-from stepscope.instrument.profile import RANGE_PREFIX
-from stepscope.summary import Verdict
+from stepscope.instrument import RANGE_PREFIX
+from stepscope.verdict import Verdict
 
 DATALOADER = re.compile(r"enumerate\(DataLoader\)|DataLoader.*__next__")
 PHASE_RANGE = re.compile("^" + re.escape(RANGE_PREFIX))  # the phase ranges stepscope's capture writes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stepscope.analyses.trace.events import CPU_KINDS, TraceEvents
-from stepscope.instrument.profile import RANGE_PREFIX
+from stepscope.instrument import RANGE_PREFIX
 
 OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#")
 STEPSCOPE_MARKS = (RANGE_PREFIX + "step", RANGE_PREFIX + "optimizer")
