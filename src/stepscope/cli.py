@@ -596,6 +596,7 @@ def _dataloader(args: argparse.Namespace) -> int:
     from stepscope.instrument.launch import run
     from stepscope.instrument.tracker import RunConfig
     from stepscope.report.terminal import print_loader
+    from stepscope.summary import RunSummary
 
     target = _target(args.command, LOADER_USAGE)
     train_rate = trainer_ms = None
