@@ -65,6 +65,25 @@ def test_a_ranks_wait_for_another_ranks_validation_is_validation_not_step_time()
     assert merge([validating, waiting]).ranks[1].phases["comms"].mean_ms == pytest.approx(1.0)
 
 
+def test_a_phase_that_ran_in_different_steps_on_each_rank_still_adds_up_to_the_job_step():
+    # The truth generator's c039 beside busy loops: rank 0's data_wait ran in 8 of 20 steps (3.2 ms each), rank 1's
+    # in 1 (24.4 ms); the mean of the two means over 1 step left the job's phases 0.3 ms short of its step.
+    ranks = [rank(0, {"data_wait": 3.2, "forward": 10.0}), rank(1, {"data_wait": 24.4, "forward": 10.0})]
+    ranks[0].phases["data_wait"].steps, ranks[1].phases["data_wait"].steps = 8, 1
+    for r in ranks:  # the step is its phases' time per measured step
+        per_step = sum(p.mean_ms * p.steps / 20 for n, p in r.phases.items() if n != "total")
+        r.phases["total"].mean_ms = per_step
+    job = merge(ranks)
+    data = job.phases["data_wait"]
+    assert data.steps == 8
+    assert data.mean_ms * data.steps / 20 == pytest.approx((3.2 * 8 + 24.4) / 20 / 2)
+    assert broken(job) == []
+    # A phase one rank alone ran counts for nothing on the others (the job's step is the mean of theirs).
+    ranks[1].phases.pop("data_wait")
+    ranks[1].phases["total"].mean_ms = 10.0
+    assert merge(ranks).phases["data_wait"].mean_ms * 8 / 20 == pytest.approx(3.2 * 8 / 20 / 2)
+
+
 def test_even_ranks_have_no_straggler():
     ranks = [rank(r, {"data_wait": 5.0 + 0.01 * r, "forward": 10.0, "backward": 20.0}) for r in range(4)]
     assert find_straggler(ranks) is None

@@ -3,11 +3,11 @@
 Pure functions over RunSummary: no collectives, so a rank that died cannot make merging hang — its file is
 simply missing, and the merged summary says so.
 
-Merged figures: each phase statistic is the mean over ranks of that rank's statistic (p95 is the largest rank's
-p95). A synchronous job's rates are the job's (``job_throughput``): every rank's samples per step over the slowest
-rank's step, and over the slowest rank's wall time per step, never a sum of per-rank rates that each leave out
-different things; ranks that wait for nobody (no collectives) add their rates up. Loaders, counters and runtime facts
-are the lowest rank's; ``system`` holds every rank's signals (each rank keeps its own system figures).
+Merged figures: each phase's time per measured step is the mean over ranks (``_merge_phase``; p95 is the largest
+rank's p95). A synchronous job's rates are the job's (``job_throughput``): every rank's samples per step over the
+slowest rank's step, and over the slowest rank's wall time per step, never a sum of per-rank rates that each leave
+out different things; ranks that wait for nobody (no collectives) add their rates up. Loaders, counters and runtime
+facts are the lowest rank's; ``system`` holds every rank's signals (each rank keeps its own system figures).
 ``cluster.phases`` gives each phase's per-rank mean as min/mean/max. ``find_straggler`` names the rank that holds
 the others up, and the ranks that wait for it in collectives. ``first_failure`` names the rank whose failure came
 first in time (the cause; the others' errors, a peer's closed connection or a collective's timeout, follow from it).
@@ -42,13 +42,23 @@ def _mean(values: list[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
-def _merge_phase(stats: list[PhaseStats]) -> PhaseStats:
+def _merge_phase(ranks: list[RunSummary], name: str, measured: int) -> PhaseStats:
+    """One phase over the ranks that ran it: its time per measured step is the mean of the ranks' (a rank that
+    did not run it counts for nothing), over the steps in which any rank ran it. A phase that ran in 8 steps of
+    one rank and 1 of the other (a cycled loader's first pass) is not the mean of the two means over 1 step: the
+    job's phases add up to its step."""
+    stats = [r.phases[name] for r in ranks if name in r.phases]
+    per_step_ms = statistics.fmean(
+        r.phases[name].mean_ms * r.phases[name].steps / max(r.steps.measured, 1) if name in r.phases else 0.0
+        for r in ranks
+    )
+    steps = min(max(s.steps for s in stats), measured) or 1
     return PhaseStats(
-        mean_ms=statistics.fmean(s.mean_ms for s in stats),
+        mean_ms=per_step_ms * max(measured, 1) / steps,
         median_ms=statistics.fmean(s.median_ms for s in stats),
         p95_ms=max(s.p95_ms for s in stats),
-        share=statistics.fmean(s.share for s in stats),
-        steps=min(s.steps for s in stats),
+        share=statistics.fmean(r.phases[name].share if name in r.phases else 0.0 for r in ranks),
+        steps=steps,
         nested=any(s.nested for s in stats),
         device_mean_ms=_mean([s.device_mean_ms for s in stats]),
         device_median_ms=_mean([s.device_median_ms for s in stats]),
@@ -381,7 +391,8 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
     names: list[str] = []
     for r in ranks:
         names += [n for n in r.phases if n not in names]
-    phases = {n: _merge_phase([r.phases[n] for r in ranks if n in r.phases]) for n in names}
+    measured = min(r.steps.measured for r in ranks)
+    phases = {n: _merge_phase(ranks, n, measured) for n in names}
     throughput = job_throughput(ranks)
     clock = _clock_rank(ranks)
     cluster = Cluster(
