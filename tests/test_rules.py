@@ -1419,6 +1419,21 @@ def test_persistent_workers_share_counts_only_restarts():
     ]
 
 
+def test_persistent_workers_names_the_restarting_loader_waited_on_most():
+    # The truth generator's c001 beside busy loops: three loaders restart their workers at every epoch; naming them
+    # all named loaders the steps waited on less (the product's invariant caught it).
+    loaders = [
+        dataclasses.replace(loader(persistent_workers=False, index=i), fetch_s=s)
+        for i, s in enumerate((0.33, 0.38, 0.35))
+    ]
+    epochs = [e for i in range(3) for e in _epochs([500.0, 600.0, 600.0], loader_index=i)]
+    fix = fired(Case(healthy(loaders=loaders, epochs=epochs)))["loader.persistent_workers"]
+    assert fix.evidence[0] == (
+        "6 epoch restart(s) of loader 1 (ToyDataset, num_workers=4) and 2 other loader(s) stalled 600 ms each before "
+        "the first batch"
+    )
+
+
 def test_pin_memory_notes_non_blocking_copies_from_pageable_memory():
     summary = healthy(loaders=[loader(pin_memory=False)])
     summary.facts["h2d"]["pinned_source"] = 0  # 40 non-blocking copies, none from pinned memory

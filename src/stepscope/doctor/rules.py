@@ -421,10 +421,12 @@ def _persistent_workers(case: Case) -> Finding | None:
     if share < MIN_STALL_SHARE:
         return None
     mean_ms = 1000 * stall_s / len(later)
-    names = ", ".join(
-        f"loader {i} ({loaders[i].dataset}, num_workers={loaders[i].num_workers})"
-        for i in sorted({e.loader for e in later})
-    )
+    # The restarting loader the steps waited on most stands for them (a fix names the loader the figures point at)
+    restarting = {e.loader for e in later}
+    named = max((loaders[i] for i in restarting), key=lambda x: x.step_fetch_s)
+    names = f"loader {named.index} ({named.dataset}, num_workers={named.num_workers})"
+    if len(restarting) > 1:
+        names += f" and {len(restarting) - 1} other loader(s)"
     evidence = [
         f"{len(later)} epoch restart(s) of {names} stalled {mean_ms:.0f} ms each before the first batch",
         f"the stalls are {pct(share)} of the time spent in those epochs",
