@@ -508,6 +508,10 @@ def score_fix(summary: dict[str, Any], exp: Expectation, script: str) -> Score:
     aimed = AIMED.get(cause, frozenset())
     if cause == "data" and "epochs" in exp.secondary:  # the epochs' restarts are part of the data wait
         aimed |= AIMED["epochs"]
+    if "oversubscribed" in exp.secondary:
+        # The case's own workers holding the cores is its injected cause, whichever group the load then inflates
+        # most (a busy optimizer under 4 busy processes a core): their count is a first fix.
+        aimed |= AIMED["oversubscribed"]
     text = f"fixes {[f['id'] for f in fixes[:3]]}; cause {cause} wants {sorted(aimed) or 'none'}"
     if not fixes:
         return Score("first fix", WRONG if aimed else RIGHT, text)
