@@ -43,8 +43,8 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def _merge_phase(ranks: list[RunSummary], name: str, measured: int) -> PhaseStats:
-    """One phase over the ranks that ran it: its time per measured step is the mean of the ranks' (a rank that
-    did not run it counts for nothing), over the steps in which any rank ran it. A phase that ran in 8 steps of
+    """One phase of the job: its time per measured step is the mean of the ranks' (a rank that did not run it adds
+    0), over the steps in which any rank ran it. A phase that ran in 8 steps of
     one rank and 1 of the other (a cycled loader's first pass) is not the mean of the two means over 1 step: the
     job's phases add up to its step."""
     stats = [r.phases[name] for r in ranks if name in r.phases]
