@@ -57,6 +57,7 @@ MIN_GAIN = 0.02  # a fix bounded by a phase share below this is noise next to th
 MIN_COPY_SHARE = 0.01  # host-to-device copies: small shares still block the launch queue on a GPU
 MIN_STALL_SHARE = 0.02  # epoch-start stalls below this share of epoch time are not worth a fix
 BURSTY_MEDIAN = 0.2  # median fetch below this fraction of the mean ...
+RESTART_TAIL_BATCHES = 20  # epochs this short put their first fetch (1 in 20 or more) in the fetch times' p95
 BURSTY_P95 = 4.0  # ... and p95 above this multiple of the median: bimodal (buffer hits vs blocking on workers)
 MIN_HOST_SHARE = 0.30  # GPU idle outside data waits: launch-bound from here
 AMPERE = (8, 0)
@@ -519,7 +520,7 @@ def _restarts_in_tail(case: Case, loader: LoaderInfo) -> bool:
     if loader.persistent_workers:
         return False
     complete = [e for e in case.summary.epochs if e.loader == loader.index and e.complete and e.batches]
-    return bool(complete) and statistics.fmean(e.batches for e in complete) <= 1 / (1 - 0.95)
+    return bool(complete) and statistics.fmean(e.batches for e in complete) <= RESTART_TAIL_BATCHES
 
 
 @rule(

@@ -54,7 +54,7 @@ COUNTERS = (
 STOP_EVENTS = ("fetch_begin", "forward_begin", "backward_begin", "optimizer_step_begin")
 # Backward calls with an optimizer made but never stepped, after which each backward ends a step: the script updates
 # its parameters by other means (a hand-written update beside an optimizer it only reads its learning rate from).
-# Far above any gradient accumulation before a first step, which would otherwise wait forever for its first step.
+# Far above a first step's gradient accumulation. Without it, such a script waited for its first step until killed.
 UNSTEPPED_BACKWARDS = 100
 PROBES = 8  # forward passes (and attention calls) probed for runtime facts at the start of the measured window
 
