@@ -218,9 +218,14 @@ def _own_pace(straggler: RunSummary) -> Verdict:
     shares = _work_shares(straggler)
     group = max(shares, key=shares.__getitem__)
     if shares[group] < MIN_SHARE:
-        parts = ", ".join(f"{g} {100 * s:.0f}%" for g, s in sorted(shares.items(), key=lambda i: -i[1]))
-        return Verdict("balanced", "medium", [f"no part of the step but comms reaches {100 * MIN_SHARE:.0f}%: {parts}"])
+        return Verdict("balanced", "medium", [_balanced_line(shares, "no part of the step but comms")])
     return Verdict(group, "medium", _evidence(straggler, group, shares[group]))
+
+
+def _balanced_line(shares: dict[str, float], subject: str) -> str:
+    """``subject`` reaches no bound's share, and the groups' shares, largest first."""
+    parts = ", ".join(f"{g} {100 * s:.0f}%" for g, s in sorted(shares.items(), key=lambda i: -i[1]))
+    return f"{subject} reaches {100 * MIN_SHARE:.0f}%: {parts}"
 
 
 def classify_phases(summary: RunSummary) -> Verdict:
@@ -236,8 +241,7 @@ def classify_phases(summary: RunSummary) -> Verdict:
         lead.append(line)
     group, share = max(shares.items(), key=lambda item: item[1])
     if share < MIN_SHARE:
-        parts = ", ".join(f"{g} {100 * s:.0f}%" for g, s in sorted(shares.items(), key=lambda i: -i[1]))
-        return Verdict("balanced", "medium", [*lead, f"no part of the step reaches {100 * MIN_SHARE:.0f}%: {parts}"])
+        return Verdict("balanced", "medium", [*lead, _balanced_line(shares, "no part of the step")])
     confidence = "high" if share >= HIGH_SHARE else "medium"
     evidence = lead + _evidence(summary, group, measured_shares[group])
     return refine(summary, Verdict(group, confidence, evidence))

@@ -437,7 +437,7 @@ def merge(ranks: list[RunSummary], expected_world: int | None = None) -> RunSumm
     return RunSummary(
         steps=Steps(
             warmup=max(r.steps.warmup for r in ranks),
-            measured=min(r.steps.measured for r in ranks),
+            measured=measured,
             profiled=max(r.steps.profiled for r in ranks),
             boundary=first.steps.boundary,
         ),
