@@ -258,9 +258,10 @@ def _cause(spec: CaseSpec, lead: OwnFigures, group: str) -> str:
     return group
 
 
-def _injected_causes(spec: CaseSpec, own: OwnFigures) -> dict[str, float]:
+def _injected_causes(spec: CaseSpec, own: OwnFigures, ranks: list[OwnFigures]) -> dict[str, float]:
     """The injected causes with a catalogued fix that are large enough to be fixed first, and their share (of the
-    step; validation: of wall time). The primary is among them; the scorer skips it."""
+    ``own`` rank's step; validation: of wall time, the rank that validated most's, for the others wait for it). The
+    primary is among them; the scorer skips it."""
     step = own.step_ms
     out = {}
     if own.phases["data_wait"] / step >= SECONDARY_SHARE and any(ld.cost for ld in spec.loaders):
@@ -270,8 +271,8 @@ def _injected_causes(spec: CaseSpec, own: OwnFigures) -> dict[str, float]:
     for kind in ("checkpoint", "log"):
         if own.injected.get(kind, 0.0) / step >= SECONDARY_SHARE:
             out[kind] = own.injected[kind] / step
-    if spec.val and own.val_s > 0:
-        out["validation"] = own.val_s / own.wall_s
+    if spec.val and any(o.val_s > 0 for o in ranks):
+        out["validation"] = max(o.val_s / o.wall_s for o in ranks)
     if (
         spec.epoch_batches
         and any(ld.workers for ld in spec.loaders)
@@ -318,14 +319,11 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         if not injected or name in injected
     }
     step_rate = min(o.steps / (o.wall_s - val_s) for o in own)
-    secondary = _injected_causes(spec, lead)
-    if spec.val and val_s > 0:
-        secondary["validation"] = max(o.val_s / o.wall_s for o in own)
+    passes = [o.val_passes for o in own]  # rank 0 alone validating: its passes are the job's
+    secondary = _injected_causes(spec, lead, own)
     return Expectation(
         checks=checks,
-        val_passes=max(o.val_passes for o in own)
-        if spec.val and spec.val.only_rank is not None
-        else min(o.val_passes for o in own),
+        val_passes=max(passes) if spec.val and spec.val.only_rank is not None else min(passes),
         bound_ok=bound_ok,
         bound_why=why,
         contention_ok=spec.bg_load > 0,
