@@ -17,12 +17,15 @@ WARMUP, STEPS = 5, 30
 
 
 def test_a_prefetcher_threads_batches_are_counted_and_the_wait_for_them_is_data(tmp_path):
-    # 4 samples of 2 ms each per batch on the prefetcher's thread, a 3 ms forward on the steps': they wait ~5 ms a
-    # step in queue.get. Before stepscope followed one thread, the prefetcher's fetch opened data_wait on the steps'
-    # time line and suppressed their forward, and the metrics thread's forwards broke into their phases.
+    # 4 samples of 4 ms each per batch on the prefetcher's thread, a 3 ms forward on the steps': they wait ~13 ms a
+    # step in queue.get (with 2 ms samples, beside busy loops the steps' own work stretched to the batch's 8 ms and
+    # they no longer waited: the test's premise, not stepscope, failed). Before stepscope followed one thread, the
+    # prefetcher's fetch opened data_wait on the steps' time line and suppressed their forward, and the metrics
+    # thread's forwards broke into their phases.
     timers = tmp_path / "timers.jsonl"
     json_path = tmp_path / "s.json"
-    cmd = stepscope_cmd(json_path, script("prefetch_thread.py"), "--timers", str(timers), warmup=WARMUP, steps=STEPS)
+    args = (script("prefetch_thread.py"), "--sample-ms", "4", "--timers", str(timers))
+    cmd = stepscope_cmd(json_path, *args, warmup=WARMUP, steps=STEPS)
     with mock.patch.dict(os.environ, run_env(), clear=True):
         code, stdout, stderr = cli_here(tmp_path, cmd)
     out = stdout[-3000:] + stderr[-3000:]
