@@ -241,7 +241,7 @@ def test_device_timer_out_of_order(events):
     events.complete(second)
     early = timer.harvest()
     # s2 either comes out now or waits for s1; s1 cannot come out before it completes
-    assert early in ([], [("s2", {"forward": approx(0.007)}, approx(0.007))])
+    assert early in ([], [("s2", {"forward": approx(0.007)}, approx(0.007), None, None)])
     assert timer.pending_steps == 2 - len(early)
     events.complete(first)
     late = timer.harvest()
@@ -292,7 +292,7 @@ def test_device_timer_partial_step_waits_for_all_its_events(events):
     assert timer.harvest() == []
     events.complete(recorded[2:])
     # the step's span on the GPU runs from the forward's first event to the backward's last
-    assert timer.harvest() == [("s1", {"forward": approx(0.002), "backward": approx(0.005)}, approx(0.007))]
+    assert timer.harvest() == [("s1", {"forward": approx(0.002), "backward": approx(0.005)}, approx(0.007), None, None)]
 
 
 def test_device_timer_sums_a_phase_recorded_twice(events):
@@ -302,7 +302,7 @@ def test_device_timer_sums_a_phase_recorded_twice(events):
         events.run(gpu_ms)
         timer.stop("forward", start)
     timer.close_step("s1")
-    assert timer.drain() == [("s1", {"forward": approx(0.005)}, approx(0.005))]
+    assert timer.drain() == [("s1", {"forward": approx(0.005)}, approx(0.005), None, None)]
     assert events.syncs == 1
 
 
@@ -324,11 +324,11 @@ def test_device_timer_bounds_pending_steps_and_recycles_events(events):
     assert events.created == 10
     events.complete_all()
     done = timer.harvest()
-    assert [token for token, _, _ in done] == [6, 7, 8, 9]
-    assert [seconds["forward"] for _, seconds, _ in done] == [approx(0.007), approx(0.008), approx(0.009), approx(0.01)]
+    assert [token for token, *_ in done] == [6, 7, 8, 9]
+    assert [step.seconds["forward"] for step in done] == [approx(0.007), approx(0.008), approx(0.009), approx(0.01)]
     for k in range(10, 15):
         events.complete(timer_step(timer, events, k, 1))
-        assert timer.harvest() == [(k, {"forward": approx(0.001)}, approx(0.001))]
+        assert timer.harvest() == [(k, {"forward": approx(0.001)}, approx(0.001), None, None)]
     assert events.created == 10  # the pool stopped new_event from growing
     assert timer.dropped_steps == 6
     assert events.syncs == 0
@@ -340,7 +340,7 @@ def test_device_timer_drain_synchronizes_once(events):
         timer_step(timer, events, k, 2)
     done = timer.drain()
     assert events.syncs == 1
-    assert [token for token, _, _ in done] == [0, 1, 2]
+    assert [token for token, *_ in done] == [0, 1, 2]
     assert timer.pending_steps == 0
     assert timer.drain() == []
     assert events.syncs == 1
@@ -453,3 +453,188 @@ def test_on_one_stream_a_step_is_complete_once_its_last_event_is(events):
     events.complete_all()
     events.queries = 0
     assert len(timer.harvest()) == 5 and events.queries == 10
+
+
+# -- where the GPU only follows the host ----------------------------------------------------------------------
+
+
+class QueueEvent:
+    def __init__(self, gpu):
+        self.gpu = gpu
+        self.at_ns = None
+
+    def record(self):
+        self.gpu.record(self)
+
+    def query(self):
+        return self.at_ns is not None and self.at_ns <= self.gpu.clock.ns
+
+    def elapsed_time(self, end):
+        if not (self.query() and end.query()):
+            raise RuntimeError("elapsed_time on an event that has not completed")
+        return (end.at_ns - self.at_ns) / 1e6
+
+
+class QueueGpu:
+    """One stream on the host's fake clock: the GPU runs what was launched in order and reaches an event once it
+    finished the work before it and the host recorded it; an event is complete once the clock passed that time.
+    ``launch(ms)`` queues work; with ``queue_ms`` the host blocks in a launch while the GPU is further behind than
+    that (CUDA's launch queue is full). ``synchronize`` waits for the GPU on the host's clock."""
+
+    single_stream = True
+
+    def __init__(self, clock, queue_ms=None):
+        self.clock = clock
+        self.free_ns = 0
+        self.queue_ns = None if queue_ms is None else round(queue_ms * 1e6)
+
+    def new_event(self):
+        return QueueEvent(self)
+
+    def record(self, event):
+        self._wait_for_room()
+        event.at_ns = self.free_ns = max(self.free_ns, self.clock.ns)
+
+    def launch(self, ms):
+        self._wait_for_room()
+        self.free_ns = max(self.free_ns, self.clock.ns) + round(ms * 1e6)
+
+    def _wait_for_room(self):
+        if self.queue_ns is not None and self.free_ns - self.clock.ns > self.queue_ns:
+            self.clock.ns = self.free_ns - self.queue_ns
+
+    def synchronize(self):
+        self.clock.ns = max(self.clock.ns, self.free_ns)
+
+
+def queue_step(scope, clock, gpu, phases, sync=False):
+    """One step of (phase, host ms before its launch, GPU ms launched, host ms after it) with a 2 ms data wait
+    first, and the loss read (a sync) last when ``sync``."""
+    with scope.phase("data_wait"):
+        clock.advance(2)
+    for name, host_before_ms, gpu_ms, host_after_ms in phases:
+        with scope.phase(name):
+            clock.advance(host_before_ms)
+            gpu.launch(gpu_ms)
+            clock.advance(host_after_ms)
+    if sync:
+        with scope.phase("sync"):
+            gpu.synchronize()
+    scope.step(batch_size=8)
+
+
+def test_a_phase_whose_gpu_only_followed_the_host_is_host_time(clock):
+    # A forward that sleeps 3 ms on the host around a 0.05 ms layer (prefetch_thread.py's with a device): the GPU is
+    # idle between the phase's events, so they span the host's 3 ms. Read as GPU work it made the step compute-bound
+    # ("forward is 40% GPU time") where a faster GPU would save nothing. No sync: the steps' last events had
+    # completed when they were harvested, which bounds the lag.
+    gpu = QueueGpu(clock)
+    scope = cuda_scope(clock, gpu)
+    for _ in range(20):
+        queue_step(
+            scope, clock, gpu, [("forward", 1.5, 0.05, 1.5), ("backward", 0.5, 0.15, 0), ("optimizer", 0.2, 0.01, 0.2)]
+        )
+    s = scope.summary()
+    forward = s.phases["forward"]
+    assert forward.device_mean_ms == pytest.approx(3.0)  # the span between its events, as measured
+    assert forward.device_host_paced == approx(1.0) and s.phases["optimizer"].device_host_paced == approx(1.0)
+    # the backward's last 0.15 ms of work ran after the host ended it (FOLLOW_NS is 0.1 ms): its span is GPU work
+    assert s.phases["backward"].device_host_paced == 0.0
+    assert forward.gpu_work_share() == approx(0.0)
+    assert s.verdict.bound == "host", s.verdict
+    assert any("forward: the GPU kept up with the host's launches (100% of its 3.0 ms" in e for e in s.verdict.evidence)
+    assert any("forward's GPU time (3.00 ms) is mostly the host's" in note for note in s.notes), s.notes
+    assert s.invariants == []
+
+
+def test_without_a_sync_or_a_done_last_event_no_step_is_probed(clock):
+    # The same forward, but the optimizer's 0.5 ms of work still runs when the step closes and nothing syncs: no
+    # event's lag is known, so nothing is said and the spans stay GPU time (the figures as they were).
+    gpu = QueueGpu(clock)
+    scope = cuda_scope(clock, gpu)
+    for _ in range(20):
+        queue_step(scope, clock, gpu, [("forward", 1.5, 0.05, 1.5), ("optimizer", 0.2, 0.5, 0)])
+    s = scope.summary()
+    assert all(stats.device_host_paced is None for stats in s.phases.values())
+    assert s.phases["forward"].gpu_work_share() == s.phases["forward"].device_share
+
+
+def test_gpu_work_the_host_waits_for_at_a_sync_stays_gpu_time(clock):
+    # The host launches 10 + 20 ms of GPU work in 2 ms and waits for it in the loss's sync: the forward and backward
+    # end far behind the host, so their spans are GPU work. The sync's events span nothing: nothing to judge.
+    gpu = QueueGpu(clock)
+    scope = cuda_scope(clock, gpu)
+    for _ in range(12):
+        queue_step(scope, clock, gpu, [("forward", 0, 10, 1), ("backward", 0, 20, 1)], sync=True)
+    s = scope.summary()
+    assert s.phases["forward"].device_mean_ms == approx(10) and s.phases["backward"].device_mean_ms == approx(20)
+    assert s.phases["forward"].device_host_paced == 0.0 and s.phases["backward"].device_host_paced == 0.0
+    assert s.phases["sync"].device_mean_ms == 0.0 and s.phases["sync"].device_host_paced is None
+    assert s.verdict.bound == "compute", s.verdict
+    assert not any("mostly the host's" in note for note in s.notes), s.notes
+
+
+def test_a_sync_tells_a_host_phase_from_a_gpu_phase_in_the_same_step(clock):
+    # The forward sleeps 3 ms around a tiny layer (the GPU follows); the backward launches 8 ms of work in 1 ms,
+    # waited for at the sync; the optimizer's 2 ms of work after it still runs when the step closes. The sync's end
+    # bounds every lag: forward is host time, backward and optimizer GPU work.
+    gpu = QueueGpu(clock)
+    scope = cuda_scope(clock, gpu)
+    for _ in range(12):
+        with scope.phase("data_wait"):
+            clock.advance(2)
+        for name, host_before_ms, gpu_ms, host_after_ms in (("forward", 1.5, 0.05, 1.5), ("backward", 1, 8, 0)):
+            with scope.phase(name):
+                clock.advance(host_before_ms)
+                gpu.launch(gpu_ms)
+                clock.advance(host_after_ms)
+        with scope.phase("sync"):
+            gpu.synchronize()
+        with scope.phase("optimizer"):
+            clock.advance(0.2)
+            gpu.launch(2)
+        scope.step(batch_size=8)
+    s = scope.summary()
+    forward, backward, optimizer = s.phases["forward"], s.phases["backward"], s.phases["optimizer"]
+    assert forward.device_host_paced == approx(1.0)
+    assert backward.device_host_paced == 0.0 and optimizer.device_host_paced == 0.0
+    assert s.verdict.bound == "compute", s.verdict
+    assert not any(line.startswith("forward is") for line in s.verdict.evidence), s.verdict.evidence
+
+
+def test_a_full_launch_queue_is_never_read_as_the_gpu_following_the_host(clock):
+    # Host 1 ms a step, GPU 10 ms, no sync: once the launch queue is full the host waits in its launches and the
+    # events span what the host spans, as where the GPU follows the host. But the GPU is far behind the host, so
+    # no step's last event has completed when it is harvested: no step is probed, and the GPU work stays GPU work.
+    gpu = QueueGpu(clock, queue_ms=30)
+    scope = cuda_scope(clock, gpu)
+    for _ in range(40):
+        queue_step(scope, clock, gpu, [("forward", 0.2, 4, 0), ("backward", 0.3, 6, 0)])
+    s = scope.summary()
+    assert s.phases["forward"].device_host_paced is None and s.phases["backward"].device_host_paced is None
+    assert s.verdict.bound == "compute", s.verdict
+    assert s.throughput.step_time_ms == pytest.approx(10, rel=0.1)
+
+
+def test_the_probe_reads_each_phases_lag_behind_the_host_exactly(clock):
+    # Straight on the timer, an idle GPU: phase a's work ends 0.05 ms after the host ends a, b's 0.15 ms after b
+    # (FOLLOW_NS is 0.1 ms), and c has no work (the GPU catches up). Every PROBE_EVERY-th harvested step is probed.
+    from stepscope.clock import FOLLOW_NS, PROBE_EVERY
+
+    assert FOLLOW_NS == 100_000
+    gpu = QueueGpu(clock)
+    timer = DeviceTimer(gpu, clock=clock)
+    harvested = []
+    for k in range(2 * PROBE_EVERY):
+        for phase, gpu_ms, host_ms in (("a", 1.05, 1.0), ("b", 1.0, 0.9), ("c", 0.0, 0.5)):
+            start = timer.start()
+            gpu.launch(gpu_ms)
+            clock.advance(host_ms)
+            timer.stop(phase, start)
+        timer.close_step(k)
+        harvested += timer.harvest()
+    probed = {done.token: done for done in harvested if done.judged_s is not None}
+    assert list(probed) == [0, PROBE_EVERY]
+    spans = {"a": approx(0.00105), "b": approx(0.001), "c": approx(0.00035)}
+    assert probed[0].seconds == spans and probed[0].judged_s == spans
+    assert probed[0].followed_s == {"a": approx(0.00105), "c": approx(0.00035)}

@@ -20,7 +20,7 @@ import pytest
 from stepscope.doctor import rules
 from stepscope.doctor.lint import LintHit
 from stepscope.doctor.rules import CATALOGUE, Case, Finding, Rule, diagnose
-from stepscope.doctor.verdict import refine
+from stepscope.doctor.verdict import NOT_LAUNCH_BOUND, refine
 from stepscope.instrument.apply import parse_fixes
 from stepscope.summary import (
     COSTS,
@@ -1729,6 +1729,20 @@ def test_refine_rare_allocator_retries_change_nothing():
 
 def test_refine_launch_bound_turns_compute_into_host():
     summary = healthy(signals=[{"id": "launch_bound", "evidence": LAUNCH}])
+    assert refine(summary, COMPUTE_VERDICT) == Verdict("host", "medium", [LAUNCH, *COMPUTE_VERDICT.evidence])
+
+
+def test_refine_launch_bound_yields_to_gpu_work_the_events_measured():
+    # float32 matmuls without TF32 kept an H200 88% busy at 232 W of 700: the signal read launch-bound, while the
+    # probed steps showed the forward and backward ending far behind the host. The measurement outranks the guess;
+    # where the GPU only followed the host, the signal stands.
+    summary = healthy(signals=[{"id": "launch_bound", "evidence": LAUNCH}])
+    for name in ("forward", "backward"):
+        summary.phases[name].device_host_paced = 0.0
+    assert refine(summary, COMPUTE_VERDICT) == Verdict("compute", "high", [*COMPUTE_VERDICT.evidence, NOT_LAUNCH_BOUND])
+    assert "host.launch_bound" not in fired(Case(summary))
+    for name in ("forward", "backward"):
+        summary.phases[name].device_host_paced = 0.9
     assert refine(summary, COMPUTE_VERDICT) == Verdict("host", "medium", [LAUNCH, *COMPUTE_VERDICT.evidence])
 
 

@@ -270,6 +270,10 @@ class Recorder:
     warmup_samples: int = 0  # the same over the warm-up steps: the batch size when no measured step fetched one
     warmup_sampled_steps: int = 0
     gpu_excess_ns: int = 0  # over the measured steps: the GPU's time beyond the host's (StepRecord.gpu_excess_ns)
+    # device time (s) per phase over the probed steps whose lag was known (DeviceTimer), and of it where the GPU only
+    # followed the host
+    probed_device_s: dict[str, float] = field(default_factory=dict)
+    followed_device_s: dict[str, float] = field(default_factory=dict)
     _queued_ns: int = 0  # the host's time in the steps with device time so far: when it finished queueing them
     _gpu_done_ns: int = 0  # when the GPU finished them, on the same time line
     recent: deque[StepRecord] = field(init=False)
@@ -341,9 +345,18 @@ class Recorder:
             self.warmup_samples += record.samples
             self.warmup_sampled_steps += 1
 
-    def add_device(self, record: StepRecord, device_s: dict[str, float], span_s: float = 0.0) -> None:
+    def add_device(
+        self,
+        record: StepRecord,
+        device_s: dict[str, float],
+        span_s: float = 0.0,
+        judged_s: dict[str, float] | None = None,
+        followed_s: dict[str, float] | None = None,
+    ) -> None:
         """Attach a step's device seconds once its events completed (possibly several steps later), with the GPU's
-        span for the step (s, from its first event to its last).
+        span for the step (s, from its first event to its last) and, for a probed step, the device seconds of the
+        phases whose lag behind the host was known and of those in which the GPU only followed the host
+        (``Harvested.judged_s``, ``followed_s``).
 
         Where the host queues work faster than the GPU runs it (a loop that never waits for the GPU), the GPU's
         pace is the step's. Steps arrive here in order; the host and the GPU are modelled as a producer and a
@@ -354,6 +367,11 @@ class Recorder:
         queued as fast as its GPU work runs (a full launch queue) adds nothing: its host time is the pace."""
         record.device_s = device_s
         self._unfolded_device.append(device_s)
+        if judged_s is not None and followed_s is not None:
+            for phase, seconds in judged_s.items():
+                self.probed_device_s[phase] = self.probed_device_s.get(phase, 0.0) + seconds
+            for phase, seconds in followed_s.items():
+                self.followed_device_s[phase] = self.followed_device_s.get(phase, 0.0) + seconds
         queued_from = self._queued_ns
         self._queued_ns += record.step_ns
         lag_before = max(0, self._gpu_done_ns - queued_from)
@@ -459,6 +477,9 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
             stats.device_p95_ms = _ms(track.device.quantile(0.95))
             # Device time of the steps harvested so far, scaled to all measured steps.
             stats.device_share = (track.device.mean * track.host.count) / paced_s if paced_s > 0 else 0.0
+            probed_s = recorder.probed_device_s.get(name, 0.0)
+            if probed_s > 0:
+                stats.device_host_paced = min(1.0, recorder.followed_device_s.get(name, 0.0) / probed_s)
         summary.phases[name] = stats
     summary.phases[TOTAL] = PhaseStats(
         mean_ms=_ms(step.mean),
@@ -484,6 +505,7 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
         step_time_ms=_ms(paced_s / step.count),
         gpu_excess_ms=_ms(excess_s / step.count) if excess_s > 0 else None,
     )
+    summary.notes += _followed_notes(summary.phases)
     if excess_s > HOST_AHEAD_SHARE * paced_s:
         summary.notes.append(
             f"the host ran ahead of the GPU: it queued a step's work in {_ms(step.mean):.2f} ms and the GPU took "
@@ -491,6 +513,25 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
             "events, with no sync); the host's phase times are the time to queue the work."
         )
     return summary
+
+
+FOLLOWED_NOTE_SHARE = 0.10  # of the step: a phase's GPU time from which the summary says the GPU followed the host
+
+
+def _followed_notes(phases: dict[str, PhaseStats]) -> list[str]:
+    """A note per phase whose GPU time is mostly the host's: the GPU had done the phase's work by the time the host
+    ended it (``device_host_paced``)."""
+    notes = []
+    for name, stats in phases.items():
+        paced, share = stats.device_host_paced, stats.device_share
+        if paced is None or share is None or paced < 0.5 or share < FOLLOWED_NOTE_SHARE or stats.nested:
+            continue
+        notes.append(
+            f"{name}'s GPU time ({stats.device_mean_ms or 0.0:.2f} ms) is mostly the host's: in {100 * paced:.0f}% "
+            "of it the GPU had done the phase's work by the time the host ended the phase, so it waited for the "
+            "host's launches; the verdict counts that time as host time, not as GPU work."
+        )
+    return notes
 
 
 def add_wall_rates(summary: RunSummary) -> None:

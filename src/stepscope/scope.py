@@ -602,7 +602,7 @@ class Scope:
                 self._settle_held(recurs=False)
             harvested = self._device.drain() if drain else self._device.harvest()
             for done in harvested:
-                self._recorder.add_device(done.token, done.seconds, done.span_s)
+                self._recorder.add_device(done.token, done.seconds, done.span_s, done.judged_s, done.followed_s)
         except Exception as error:
             self._fail(error)
         summary = summarize(self._recorder, self._timing_used)
@@ -738,7 +738,7 @@ class Scope:
             device.close_step(record)
             if device.pending_steps:
                 for done in device.harvest():
-                    recorder.add_device(done.token, done.seconds, done.span_s)
+                    recorder.add_device(done.token, done.seconds, done.span_s, done.judged_s, done.followed_s)
             if side:
                 self._held = (record, side)  # validation, or step work if the next step cuts out a stretch too
             else:
@@ -886,7 +886,7 @@ class Scope:
         """Pick device timing when the first measured step begins: by then the model is where it will run."""
         use_cuda = self._timing == "cuda" or (self._timing == "auto" and (self._events is not None or cuda_in_use()))
         if use_cuda:
-            self._device = DeviceTimer(self._events or CudaEvents())
+            self._device = DeviceTimer(self._events or CudaEvents(), clock=self._clock)
             self._timing_used = "cuda"
             self._phase_type = _MarkedCudaPhase if self._phase_type is _MarkedHostPhase else _CudaPhase
             self._phases = {}

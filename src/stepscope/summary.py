@@ -91,6 +91,16 @@ class PhaseStats:
     device_median_ms: float | None = None
     device_p95_ms: float | None = None
     device_share: float | None = None  # of total measured step time (host wall), 0..1
+    # the share (0..1) of the device time in which the GPU only followed the host: it had done the phase's work by
+    # the time the host ended the phase (measured on probed steps; null where none was probed)
+    device_host_paced: float | None = None
+
+    def gpu_work_share(self) -> float | None:
+        """``device_share`` less the part in which the GPU only followed the host (``device_host_paced``): the
+        share of the step (0..1) that GPU work set the pace of. None without device time."""
+        if self.device_share is None:
+            return None
+        return self.device_share * (1.0 - (self.device_host_paced or 0.0))
 
 
 @dataclass

@@ -36,6 +36,7 @@ from stepscope.doctor.lint import LintHit
 from stepscope.doctor.verdict import (
     EXPLAINS,
     attributed_straggler,
+    gpu_work_measured,
     group_shares,
     phase_group,
     rank_summary,
@@ -114,8 +115,8 @@ class Case:
             stats = self.summary.phases.get(name)
             if stats is None or stats.nested:
                 continue
-            use_device = self.summary.meta.timing == "cuda" and stats.device_share is not None and name != "data_wait"
-            share = stats.device_share if use_device else stats.share
+            device_share = stats.gpu_work_share() if self.summary.meta.timing == "cuda" else None
+            share = device_share if device_share is not None and name != "data_wait" else stats.share
             total += share * self.kept.get(phase_group(name) or "", 1.0)
         return min(total, 1.0)
 
@@ -976,7 +977,7 @@ def _launch_bound(case: Case) -> Finding | None:
     if case.summary.meta.timing != "cuda" or not case.measured:
         return None
     share = case.groups.get("host", 0.0)
-    signal = case.signals().get("launch_bound")
+    signal = None if gpu_work_measured(case.summary) else case.signals().get("launch_bound")
     if share < MIN_HOST_SHARE and signal is None:
         return None
     evidence = [f"the GPU had no work for {pct(share)} of the step outside data waits"]

@@ -51,7 +51,8 @@ def _host_share(phases: dict[str, PhaseStats], name: str) -> float:
 
 def _device_share(phases: dict[str, PhaseStats], name: str) -> float:
     stats = phases.get(name)
-    return 0.0 if stats is None or stats.nested or stats.device_share is None else stats.device_share
+    share = None if stats is None or stats.nested else stats.gpu_work_share()
+    return 0.0 if share is None else share
 
 
 def group_shares(summary: RunSummary) -> dict[str, float]:
@@ -94,6 +95,7 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
             lines.append(f"{name} is {100 * part:.0f}% {clock} ({ms:.1f} ms of a {total_ms:.1f} ms step)")
     if group == "host" and summary.meta.timing == "cuda":
         lines.append(f"the GPU had no work for {100 * share:.0f}% of the step outside data waits")
+        lines += _followed_lines(phases)
     syncs = summary.counters.get("host_syncs", 0.0)
     if group == "host" and syncs >= 1:
         lines.append(f"{syncs:.1f} host-device syncs per step")
@@ -101,6 +103,19 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
         lines += _top_lines(summary)
     if not lines:
         lines.append(f"{group} phases together are {100 * share:.0f}% of the step")
+    return lines
+
+
+def _followed_lines(phases: dict[str, PhaseStats]) -> list[str]:
+    """The phases whose GPU time was mostly the GPU waiting for the host's launches (``device_host_paced``)."""
+    lines = []
+    for name, stats in phases.items():
+        paced, share = stats.device_host_paced or 0.0, stats.device_share or 0.0
+        if name != TOTAL and not stats.nested and paced >= 0.5 and share >= 0.05:
+            lines.append(
+                f"{name}: the GPU kept up with the host's launches ({100 * paced:.0f}% of its "
+                f"{stats.device_mean_ms or 0.0:.1f} ms of GPU time), so that time is the host's"
+            )
     return lines
 
 
@@ -343,6 +358,28 @@ def _ceiling_evidence(summary: RunSummary, against: dict) -> list[str]:
     return []
 
 
+def gpu_work_measured(summary: RunSummary) -> bool:
+    """True when the probed steps show the compute phases' GPU time mostly as work the GPU ran behind the host
+    (``device_host_paced`` below one half): the GPU was measured busy with the step's work, which outranks the
+    ``launch_bound`` signal's reading of power and clocks (float32 matmuls without TF32 keep an H200 busy at a
+    third of its power limit)."""
+    shares = [
+        (stats.device_share, stats.device_host_paced)
+        for name in GROUPS["compute"]
+        if (stats := summary.phases.get(name)) is not None
+        and stats.device_host_paced is not None
+        and stats.device_share
+    ]
+    total = sum(share for share, _ in shares)
+    return total > 0 and sum(share * (1.0 - paced) for share, paced in shares) >= 0.5 * total
+
+
+NOT_LAUNCH_BOUND = (
+    "the GPU's events show it behind the host's launches at the compute phases' ends: the step waits for GPU work, "
+    "not for launches, whatever NVML's power and clock readings suggest"
+)
+
+
 def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
     """Correct or support a phase-share verdict with the system samples and runtime facts, when measured."""
     signals = {s["id"]: s.get("evidence", "") for s in summary.system.get("signals", [])}
@@ -355,7 +392,9 @@ def refine(summary: RunSummary, verdict: Verdict) -> Verdict:
             evidence.append(f"peak memory {device['peak_reserved_mb']:.0f} of {device['total_mb']:.0f} MB reserved")
         return Verdict("memory", "medium", evidence + verdict.evidence)
     if verdict.bound == "compute" and "launch_bound" in signals:
-        return Verdict("host", "medium", [signals["launch_bound"], *verdict.evidence])
+        if not gpu_work_measured(summary):
+            return Verdict("host", "medium", [signals["launch_bound"], *verdict.evidence])
+        verdict = Verdict(verdict.bound, verdict.confidence, [*verdict.evidence, NOT_LAUNCH_BOUND])
     extra = [signals[name] for name in ("transform_bound", "io_bound") if verdict.bound == "data" and name in signals]
     against = summary.dataloader.get("against_training")
     if against is not None:

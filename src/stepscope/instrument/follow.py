@@ -310,6 +310,7 @@ def _with_device_figures(phases: dict[str, Any], checkpointed: dict[str, Any]) -
                 device_median_ms=old.device_median_ms,
                 device_p95_ms=old.device_p95_ms,
                 device_share=old.device_share,
+                device_host_paced=old.device_host_paced,
             )
         merged[name] = stats
     return merged

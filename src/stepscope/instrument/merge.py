@@ -64,6 +64,7 @@ def _merge_phase(ranks: list[RunSummary], name: str, measured: int) -> PhaseStat
         device_median_ms=_mean([s.device_median_ms for s in stats]),
         device_p95_ms=max((s.device_p95_ms for s in stats if s.device_p95_ms is not None), default=None),
         device_share=_mean([s.device_share for s in stats]),
+        device_host_paced=_mean([s.device_host_paced for s in stats]),
     )
 
 
