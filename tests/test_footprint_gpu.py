@@ -72,8 +72,13 @@ def test_a_loop_that_never_syncs_is_timed_at_the_gpus_pace_and_its_loss_read_at_
     assert s.loss is not None and s.loss.steps == list(range(STEPS)), s.loss
     assert all(v is not None and math.isfinite(v) and v > 0 for v in s.loss.values), s.loss
     assert s.loss.values[-1] < s.loss.values[0], s.loss  # the script's own losses, in step order
-    # 2.5% on the H200 once the loss buffer was made in the warm-up; 20% while its first add waited for the GPU
-    assert s.overhead is not None and s.overhead.share is not None and s.overhead.share < 0.05, s.overhead
+    # The hooks, on the loop's thread: 2.5% of the step on the H200 once the loss buffer was made in the warm-up, 20%
+    # while its first add waited for the GPU. Its threads' CPU is reported, not bounded: in a 10-step window it is
+    # the samplers' start (NVML read 10 times a second in the first second, ~4 ms a read), on other cores; 636 us a
+    # step on the H200 on 2026-11-27, 4.6% of this step, once the window fell early in that second.
+    assert s.overhead is not None and s.overhead.hooks_us_per_step is not None, s.overhead
+    assert s.overhead.hooks_us_per_step / 1e3 < 0.05 * step_ms, s.overhead
+    assert s.overhead.threads_us_per_step is not None, s.overhead
 
 
 @pytest.mark.xfail(
