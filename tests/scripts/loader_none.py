@@ -14,6 +14,7 @@ from torch import nn
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches (forward + backward) per optimizer step")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -27,9 +28,10 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(args.steps):
-        x, y = get_batch()
         optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        for _ in range(args.accum):
+            x, y = get_batch()
+            F.cross_entropy(model(x), y).backward()
         optimizer.step()
     print(f"loader_none: done after {args.steps} steps", flush=True)
 

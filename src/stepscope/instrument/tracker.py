@@ -151,6 +151,24 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+def no_samples_note(summary: RunSummary) -> str:
+    """Why a run has no samples/s, and the ``--batch-size`` that would give it: the model's first input's first
+    dimension times the training forwards a step, where the facts hold that input (a guess the user confirms: a
+    sequence-first model's first dimension is not its batch)."""
+    said = "no samples/s: no batch size was known (no DataLoader batch reached the training loop)"
+    inputs = summary.facts.get("inputs") or []
+    shape = inputs[0].get("shape") if inputs else None
+    if not shape:
+        return f"{said}; `stepscope run --batch-size N` (samples per optimizer step) gives it."
+    forwards = summary.counters.get("forward_calls", 1.0) or 1.0
+    per_step = round(shape[0] * forwards)
+    count = f"{shape[0]} × {forwards:g} forwards a step" if round(forwards, 3) != 1 else f"{shape[0]} a step"
+    return (
+        f"{said}; the model's first input was {tuple(shape)}: if its first dimension is the batch, "
+        f"`stepscope run --batch-size {per_step}` ({count}) gives samples/s."
+    )
+
+
 class Tracker:
     """Turns hook events into exclusive phase time, step boundaries, loader epochs and per-step counters."""
 
@@ -975,6 +993,8 @@ class Tracker:
         if self.failure:
             summary.notes.append(f"measurement stopped early after an internal error: {self.failure}")
         summary.notes += [own_scope_note(scope) for scope in script_scopes(self.scope)]
+        if measured and summary.throughput.steps_per_s and summary.throughput.samples_per_s is None:
+            summary.notes.append(no_samples_note(summary))
         if self.boundary == "backward" and self.optimizers_created:
             summary.notes.append(
                 f"the script made {self.optimizers_created} optimizer(s) but none stepped in its first "
