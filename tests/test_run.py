@@ -269,14 +269,15 @@ def test_expensive_optimizer_is_optimizer_bound(tmp_path):
 
 
 def test_without_a_loader_the_summary_says_which_batch_size_would_give_samples_per_s(tmp_path):
-    # nanoGPT's loop: get_batch() of 16 rows, 3 micro-steps an optimizer step, no DataLoader. No samples/s is
+    # nanoGPT's loop: get_batch() of 16 rows, 3 micro-steps an optimizer step, no DataLoader, and the loss from a
+    # module (two forward calls a micro-step: the micro-steps are the backwards). No samples/s is
     # guessed; the note names the model's input and the --batch-size it suggests, which then gives the rate.
     r = stepscope_here(tmp_path, script("loader_none.py"), "--steps", "60", "--accum", "3", warmup=3, steps=15)
     assert r.returncode == 0, r.describe()
     s = r.summary
     assert s.throughput.samples_per_s is None and s.throughput.steps_per_s
     note = "the model's first input was (16, 16): if its first dimension is the batch, `stepscope run --batch-size 48`"
-    assert any(note in n and "(16 × 3 forwards a step)" in n for n in s.notes), s.notes
+    assert any(note in n and "(16 × 3 backward passes a step)" in n for n in s.notes), s.notes
     assert note in r.stdout, r.stdout[-2000:]
     r = stepscope_here(tmp_path / "b", "--batch-size", "48", script("loader_none.py"), "--steps", "60", "--accum", "3",
                        warmup=3, steps=15)  # fmt: skip

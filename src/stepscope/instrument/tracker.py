@@ -153,16 +153,17 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def no_samples_note(summary: RunSummary) -> str:
     """Why a run has no samples/s, and the ``--batch-size`` that would give it: the model's first input's first
-    dimension times the training forwards a step, where the facts hold that input (a guess the user confirms: a
-    sequence-first model's first dimension is not its batch)."""
+    dimension times the backward passes a step (one per micro-batch; forwards would count a loss module's call too),
+    where the facts hold that input (a guess the user confirms: a sequence-first model's first dimension is not its
+    batch)."""
     said = "no samples/s: no batch size was known (no DataLoader batch reached the training loop)"
     inputs = summary.facts.get("inputs") or []
     shape = inputs[0].get("shape") if inputs else None
     if not shape:
         return f"{said}; `stepscope run --batch-size N` (samples per optimizer step) gives it."
-    forwards = summary.counters.get("forward_calls", 1.0) or 1.0
-    per_step = round(shape[0] * forwards)
-    count = f"{shape[0]} × {forwards:g} forwards a step" if round(forwards, 3) != 1 else f"{shape[0]} a step"
+    micro = round(summary.counters.get("backward_calls", 1.0), 3) or 1.0
+    per_step = round(shape[0] * micro)
+    count = f"{shape[0]} × {micro:g} backward passes a step" if micro != 1 else f"{shape[0]} a step"
     return (
         f"{said}; the model's first input was {tuple(shape)}: if its first dimension is the batch, "
         f"`stepscope run --batch-size {per_step}` ({count}) gives samples/s."
