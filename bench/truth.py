@@ -118,6 +118,7 @@ from truth_score import (
     failed_run,
     own_figures,
     score_case,
+    set_val_waits,
 )
 from truth_script import Script, write_script
 from truth_spec import CaseSpec, Cost, LoaderSpec, SideSpec, StragglerSpec, ValSpec, ci_cases, draw_case
@@ -141,6 +142,7 @@ __all__ = [
     "own_figures",
     "run_case",
     "score_case",
+    "set_val_waits",
     "write_script",
 ]
 
@@ -258,6 +260,8 @@ def _read_own(spec: CaseSpec, truth_prefix: Path, summary: dict[str, Any]) -> li
             # warm-up steps. stepscope stops the script at its first event after the measured steps.
             rounds = len(records) - measured
         own.append(own_figures(records, rounds, measured, rank))
+    if len(own) > 1:
+        set_val_waits(own)
     return own
 
 

@@ -7,10 +7,11 @@ with the expected and the measured figures. The rules are written out in bench/t
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from truth_spec import CaseSpec
+from truth_spec import CaseSpec, StragglerSpec
 
 RIGHT, WRONG, NA = "right", "wrong", "n/a"
 SCORES = ("steps/s", "phases", "bound", "first fix", "invariants")
@@ -61,6 +62,9 @@ class OwnFigures:
     injected: dict[str, float]  # mean ms per step of each injected cost, as spent
     loader_wait: dict[str, float]  # mean data_wait ms per step, per Dataset class
     samples: float = 0.0  # mean training samples per step
+    val_by_step: list[float] = field(default_factory=list)  # the window's steps: validation before each (s)
+    backward_by_step: list[float] = field(default_factory=list)  # ... and its backward, the all-reduce inside (s)
+    val_wait_s: float = 0.0  # its wait for another rank's validation, inside its backward (set_val_waits)
 
     @property
     def step_rate(self) -> float:
@@ -153,7 +157,28 @@ def own_figures(records: list[dict[str, Any]], warmup: int, measured: int, rank:
         injected={k: v * 1e3 / measured for k, v in injected.items()},
         loader_wait={k.split(":", 1)[1]: v for k, v in per_step.items() if k.startswith("data_wait:")},
         samples=sum(rec.get("samples", 0) for rec in window) / measured,
+        val_by_step=[rec["val_s"] for rec in window],
+        backward_by_step=[rec["spans"].get("backward", 0.0) for rec in window],
     )
+
+
+def set_val_waits(own: list[OwnFigures]) -> None:
+    """Each rank's wait for another rank's longer validation: in the step after it, its backward's all-reduce waits
+    beyond its usual (its median over the steps before which no rank validated), up to the difference in the
+    validations. A rank whose own step is longer anyway (a straggler) waits for none of it: its extra work overlaps
+    the other's validation, which then costs the job nothing."""
+    steps = min(len(o.val_by_step) for o in own)
+    most = [max(o.val_by_step[k] for o in own) for k in range(steps)]
+    for o in own:
+        usual = [o.backward_by_step[k] for k in range(steps) if most[k] == 0]
+        if not usual:
+            continue
+        baseline = statistics.median(usual)
+        o.val_wait_s = sum(
+            min(most[k] - o.val_by_step[k], max(0.0, o.backward_by_step[k] - baseline))
+            for k in range(steps)
+            if most[k] > o.val_by_step[k]
+        )
 
 
 def _checked_phases(spec: CaseSpec, rank: int) -> list[str]:
@@ -208,13 +233,25 @@ def _rank_gaps(own: list[OwnFigures], step: float) -> dict[str, tuple[int, float
     return gaps
 
 
+def _shown_straggler(spec: CaseSpec, own: list[OwnFigures]) -> StragglerSpec | None:
+    """The case's straggler, unless its loaders' prefetcher threads hid a slow rank's loader: its training thread
+    then waits for data no longer than the other rank's (by less than STRAGGLER_GAP of its step), and there is no
+    straggler to find."""
+    s = spec.straggler
+    if s is None or not (spec.prefetch and s.phase == "data_wait"):
+        return s
+    lead = next(o for o in own if o.rank == s.rank)
+    excess = lead.phases["data_wait"] - min(o.phases["data_wait"] for o in own)
+    return s if excess >= STRAGGLER_GAP * lead.step_ms else None
+
+
 def _bound(spec: CaseSpec, own: list[OwnFigures]) -> tuple[list[str], str]:
     """Acceptable bounds, the expected one first: the straggler's phase group; else the group with the largest own
     time (also `balanced` when it is under 45% of the step, and the runner-up within 15% of it); and for 2 ranks
     the group of any phase where one rank's own time is ≥ 10% of the step above the other's."""
     phases = _job_phases(own)
     step = sum(phases.values())
-    s = spec.straggler
+    s = _shown_straggler(spec, own)
     if s is not None:
         # The job's step is the straggler's: its excess is the bound while its group leads that step (or nothing
         # holds 45% of it), else the group that does, as in a case without a straggler.
@@ -290,20 +327,19 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
     if spec.straggler is not None:
         lead = next(o for o in own if o.rank == spec.straggler.rank)
     # A rank that validates less waits for the difference in its next step's all-reduce (inside its own timer of
-    # backward): the job's validation, not its step (docs/run.md).
-    val_s = max(o.val_s for o in own)
+    # backward): the job's validation, not its step (docs/run.md). Measured: see set_val_waits.
     checks = []
     for o in own:
         for phase in _checked_phases(spec, o.rank):
             injected = sum(v for k, v in o.injected.items() if _label_phase(k) == phase)
             expected = o.phases[phase]
             if phase == "backward":
-                expected -= (val_s - o.val_s) * 1e3 / o.steps
+                expected -= o.val_wait_s * 1e3 / o.steps
             checks.append(PhaseCheck(o.rank if spec.ranks > 1 else None, phase, expected, injected))
     bound_ok, why = _bound(spec, own)
     causes = {g: _cause(spec, lead, g) for g in bound_ok if g != "balanced"}
     causes["balanced"] = causes[bound_ok[0]]
-    s = spec.straggler
+    s = _shown_straggler(spec, own)
     straggler = None
     if s is not None:
         straggler = (s.rank, "other" if s.phase in ("checkpoint", "log") else s.phase)
@@ -318,7 +354,7 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         for name in own[0].loader_wait
         if not injected or name in injected
     }
-    step_rate = min(o.steps / (o.wall_s - val_s) for o in own)
+    step_rate = min(o.steps / (o.wall_s - o.val_s - o.val_wait_s) for o in own)
     passes = [o.val_passes for o in own]  # rank 0 alone validating: its passes are the job's
     secondary = _injected_causes(spec, lead, own)
     return Expectation(

@@ -190,3 +190,40 @@ def test_a_sample_rate_off_by_more_than_5_percent_is_wrong() -> None:
     assert score_rate({"throughput": right}, exp).status == RIGHT
     assert score_rate({"throughput": {**right, "samples_per_s": 3 * right["samples_per_s"]}}, exp).status == WRONG
     assert score_rate({"throughput": {**right, "samples_per_s": None}}, exp).status == WRONG
+
+
+def test_a_rank_waits_for_the_others_validation_only_where_its_own_step_is_shorter() -> None:
+    # Rank 0 validates 13.5 ms before steps 1 and 3 of 4. Rank 1's backward (its all-reduce) takes 1 ms as usual:
+    # waiting, it takes 14.5 ms (the job's validation, not its step); a straggler with 13 ms more work of its own
+    # overlaps the validation and waits for none of it (seed 2028's c026: the scorer wanted 58 steps/s where the
+    # job ran 50, its straggler's pace).
+    def ranks(backward_ms: list[float]) -> list[OwnFigures]:
+        own = [_own(0, 2), _own(1, 0)]
+        own[0].val_by_step, own[0].backward_by_step = [0.0, 0.0135, 0.0, 0.0135], [0.001] * 4
+        own[0].val_s = 0.027
+        own[1].val_by_step, own[1].backward_by_step = [0.0] * 4, [ms / 1e3 for ms in backward_ms]
+        truth.set_val_waits(own)
+        return own
+
+    waiting = ranks([1.0, 14.5, 1.0, 14.5])
+    assert waiting[0].val_wait_s == 0.0 and waiting[1].val_wait_s == pytest.approx(0.027)
+    assert ranks([1.0, 1.2, 1.0, 1.0])[1].val_wait_s == pytest.approx(0.0002)
+    assert ranks([1.0, 30.0, 1.0, 1.0])[1].val_wait_s == pytest.approx(0.0135)  # at most the validation's excess
+    spec = truth.CaseSpec("t", 0, 0, ranks=2, val=truth.ValSpec(every=2, batches=2, only_rank=0))
+    exp = truth.expect(spec, waiting, {"checkpoint": None, "log": None})
+    assert exp.step_rate == pytest.approx(39 / (0.5 - 0.027))  # either rank: its wall less the validation
+    straggling = ranks([1.0, 1.0, 1.0, 1.0])
+    exp = truth.expect(spec, straggling, {"checkpoint": None, "log": None})
+    assert exp.step_rate == pytest.approx(39 / 0.5)  # rank 1's wall: nothing of it waited for validation
+
+
+def test_a_slow_ranks_loader_that_its_prefetcher_hides_is_no_straggler() -> None:
+    # Rank 1's loader sleeps 3.6 ms more a step, on the prefetcher's thread: its training thread waits no longer
+    # for data than rank 0's (seed 2028's c013). Without the prefetcher the wait shows, and the straggler is named.
+    spec = truth.CaseSpec(
+        "t", 0, 0, ranks=2, prefetch=True, straggler=StragglerSpec(1, "data_wait", Cost(8.5)), cause="straggler"
+    )
+    own = [_own(0, 0), _own(1, 0)]
+    assert truth.expect(spec, own, {"checkpoint": None, "log": None}).straggler is None
+    own[1].phases = {**own[1].phases, "data_wait": 3.7}
+    assert truth.expect(spec, own, {"checkpoint": None, "log": None}).straggler == (1, "data_wait")
