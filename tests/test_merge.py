@@ -40,6 +40,7 @@ def test_a_ranks_wait_for_another_ranks_validation_is_validation_not_step_time()
     # more comms. The job trains at 9 ms a step, not rank 1's 21.
     validating = rank(0, {"data_wait": 2.0, "forward": 3.0, "comms": 1.0, "other": 3.0})
     waiting = rank(1, {"data_wait": 2.0, "forward": 3.0, "comms": 13.0, "other": 3.0})
+    waiting.phases["comms"].median_ms = 1.0  # its usual step's: the waits fell in 4 steps of 20
     validating.wall = Wall(window_s=0.42, steps_s=0.18, eval_s=0.24)
     waiting.wall = Wall(window_s=0.42, steps_s=0.42)
     validating.eval = {"passes": 20}  # a stretch cut out of every step is not validation the others wait for
@@ -57,12 +58,36 @@ def test_a_ranks_wait_for_another_ranks_validation_is_validation_not_step_time()
     assert any("for rank 0's validation" in note for note in job.notes), job.notes
     assert job.cluster.straggler is None
     assert broken(job) == []
-    # The wait moved is at most the difference in validation time, and at most the comms beyond the least's.
+    # The wait moved is at most the difference in validation time, and at most the comms beyond its usual step's.
     validating.wall = Wall(window_s=0.42, steps_s=0.32, eval_s=0.1)
     assert merge([validating, waiting]).ranks[1].phases["comms"].mean_ms == pytest.approx(13.0 - 5.0)
     validating.wall = Wall(window_s=0.42, steps_s=0.18, eval_s=0.24)
     waiting.phases["comms"].mean_ms = 8.0  # (its step had other time too; only the comms beyond 1 ms can move)
     assert merge([validating, waiting]).ranks[1].phases["comms"].mean_ms == pytest.approx(1.0)
+    waiting.phases["comms"].mean_ms = 13.0
+
+
+def test_a_straggler_waits_for_the_others_validation_where_it_outlasts_the_stragglers_excess():
+    # Seed 2029's c033 beside busy loops: rank 1 straggles by 9 ms in backward, so rank 0 waits for it in comms every
+    # step (13.9 ms) and rank 1, whose comms are the least, 0.75 ms in its usual step; rank 0 validates 20 ms every
+    # 5th step, longer than the excess, and rank 1 waits for the rest (2.44 ms a step on average). Measured against
+    # the least comms, none of its wait moved and the job read 31.0 steps/s where the scripts' own timers give 32.7.
+    validating = rank(0, {"data_wait": 1.0, "forward": 3.0, "backward": 4.0, "comms": 13.86, "other": 3.0})
+    straggler = rank(1, {"data_wait": 1.0, "forward": 3.0, "backward": 13.0, "comms": 2.44, "other": 3.0})
+    straggler.phases["comms"].median_ms = 0.75
+    validating.wall = Wall(window_s=0.52, steps_s=0.35, eval_s=0.17)
+    straggler.wall = Wall(window_s=0.52, steps_s=0.52)
+    validating.eval = {"passes": 4}
+    moved = merge([validating, straggler]).ranks[1]
+    assert moved.phases["comms"].mean_ms == pytest.approx(0.75)
+    assert moved.wall.eval_s == pytest.approx((2.44 - 0.75) * 20 / 1e3)
+    # Where the straggler validates, the other rank's waits for it every step are its usual step's, not validation
+    # (against the least comms, 0.17 s of them would have moved).
+    waiting, validating_straggler = validating, straggler
+    validating_straggler.wall, validating_straggler.eval = Wall(window_s=0.52, steps_s=0.35, eval_s=0.17), {"passes": 4}
+    waiting.wall, waiting.eval = Wall(window_s=0.52, steps_s=0.52), None
+    job = merge([waiting, validating_straggler])
+    assert job.ranks[0].phases["comms"].mean_ms == pytest.approx(13.86) and job.ranks[0].wall.eval_s == 0.0
 
 
 def test_a_phase_that_ran_in_different_steps_on_each_rank_still_adds_up_to_the_job_step():

@@ -294,10 +294,11 @@ def _job_eval(ranks: list[RunSummary], clock: RunSummary | None) -> dict[str, An
     return {**chosen.eval, "rank": _rank(chosen)} if chosen is not None else {}
 
 
-def _comms_s(summary: RunSummary) -> float:
-    """A rank's host time in collectives over its measured steps (s)."""
+def _unusual_comms_s(summary: RunSummary) -> float:
+    """A rank's host time in collectives beyond its usual step's (the median's), over its measured steps (s): what
+    waits that fell in a few steps (another rank's validation) added."""
     comms = summary.phases.get(COMMS)
-    return comms.mean_ms * comms.steps / 1e3 if comms is not None else 0.0
+    return max(0.0, comms.mean_ms - comms.median_ms) * comms.steps / 1e3 if comms is not None else 0.0
 
 
 def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
@@ -307,9 +308,12 @@ def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
     Validation is cut out of the steps of the rank that runs it (passes in at most half its steps); a rank that
     validates less (rank 0 alone validates, or holds more batches) waits for the difference in its next step's
     collective, and that wait is the job's validation, not its step. The wait moved is at most the difference in
-    validation time, and at most the rank's time in collectives beyond the least any rank spent in them (the
-    collectives' own cost). Without this, a job whose rank 0 alone validates reads the others' waits as its step:
-    the step rate ~half the truth, and a straggler in whatever rank 0's steps do most.
+    validation time, and at most the rank's time in collectives beyond its usual step's (the median's: validation
+    falls in at most half the steps). Not beyond the least any rank spent in them: a straggler spends least, and
+    waits for the other's validation all the same where the validation outlasts its excess; and a rank that waits
+    for a straggler every step would have those waits taken for validation. Without this, a job whose rank 0
+    alone validates reads the others' waits as its step: the step rate ~half the truth, and a straggler in whatever
+    rank 0's steps do most.
     Host time in ``comms`` only: where the host does not block in the collective (NCCL), the wait shows in the
     phase that next waits for the GPU, and stays there."""
     timed = [r for r in ranks if r.wall is not None and r.steps.measured and TOTAL in r.phases]
@@ -321,12 +325,11 @@ def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
         # Validation recurs now and then. A stretch cut out of most steps is one the recurrence rule missed (issue
         # 24's side work): nothing says the other ranks wait for a validation.
         return ranks
-    floor_s = min(_comms_s(r) for r in timed)
     out = []
     for r in ranks:
         wait_s = 0.0
         if r in timed and r is not validating:
-            wait_s = min(validating.wall.eval_s - r.wall.eval_s, _comms_s(r) - floor_s)  # type: ignore[union-attr]
+            wait_s = min(validating.wall.eval_s - r.wall.eval_s, _unusual_comms_s(r))  # type: ignore[union-attr]
         if wait_s <= VALIDATION_WAIT_MIN * r.wall.steps_s:  # type: ignore[union-attr]
             out.append(r)
             continue
