@@ -47,6 +47,9 @@ def test_an_eval_phase_leaves_the_step_and_is_reported_apart(clock):
     assert passes["phases_ms"] == pytest.approx({"data_wait": 12.0, "forward": 40.0, "other": 2.0})
     assert passes["share_of_wall"] == pytest.approx(108 / (108 + 6 * 8))
     assert passes["time_s"] == pytest.approx(0.108)
+    # Each pass fell in the step open when it ran (series places 4 and 7; the warm-up step is place 0): where
+    # another rank of a job waits for it (instrument/merge.py).
+    assert passes["steps"] == [4, 7]
 
 
 def test_an_eval_pass_in_the_middle_of_a_step_is_cut_out_of_it(clock):

@@ -1,5 +1,6 @@
 """Merging per-rank summaries: cluster figures, the straggler, dead ranks, exits; files merge must skip."""
 
+import statistics
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ from run_helpers import run_env
 
 from stepscope.instrument.merge import find_straggler, merge
 from stepscope.invariants import broken
-from stepscope.summary import Exit, Meta, PhaseStats, RunSummary, Steps, Throughput, Wall
+from stepscope.summary import Exit, Meta, PhaseStats, RunSummary, Steps, StepSeries, Throughput, Wall
 
 
 def rank(r: int, phases_ms: dict[str, float], samples_per_s: float = 100.0, world: int = 2, exit_reason="stopped"):
@@ -88,6 +89,40 @@ def test_a_straggler_waits_for_the_others_validation_where_it_outlasts_the_strag
     waiting.wall, waiting.eval = Wall(window_s=0.52, steps_s=0.52), None
     job = merge([waiting, validating_straggler])
     assert job.ranks[0].phases["comms"].mean_ms == pytest.approx(13.86) and job.ranks[0].wall.eval_s == 0.0
+
+
+def test_the_wait_for_validation_is_measured_in_the_steps_where_the_passes_fell():
+    # Seed 2026's c046: rank 0 logs 15 ms a step (the straggler) and alone validates 17 ms before steps 1, 7, 13
+    # and 19; rank 1 waits for the log every step (its steps 14-20 ms, noisy) and for the validation too (+17 ms
+    # there). Its comms beyond their median (biased up by the four long steps) took 55 ms for validation, where the
+    # four steps hold 66; the least comms of any rank (the straggler's) would have moved all of its waits, capped.
+    # Each step's excess over the rank's usual step, in the steps the passes fell in, is the wait.
+    noisy = [14.0, 20.0, 16.0, 18.0, 15.0, 19.0, 17.0, 16.0, 18.0, 15.0, 19.0, 17.0, 14.0, 20.0, 16.0, 18.0]
+    pass_steps = [1, 7, 13, 19]
+    step_ms, usual = [], iter(noisy)
+    for at in range(20):
+        step_ms.append(17.0 + 16.5 if at in pass_steps else next(usual))
+    validating = rank(0, {"data_wait": 1.0, "forward": 3.0, "comms": 1.0, "other": 16.0})
+    waiting = rank(1, {"data_wait": 1.0, "forward": 3.0, "comms": sum(step_ms) / 20 - 6.0, "other": 2.0})
+    waiting.phases["comms"].median_ms = statistics.median(step_ms) - 6.0
+    validating.wall = Wall(window_s=0.49, steps_s=0.42, eval_s=0.07)
+    waiting.wall = Wall(window_s=0.49, steps_s=0.49)
+    validating.eval = {"passes": 4, "steps": pass_steps}
+    validating.series = StepSeries(stride=1, step_ms=[21.0] * 20)
+    waiting.series = StepSeries(stride=1, step_ms=step_ms)
+    moved = merge([validating, waiting]).ranks[1]
+    wait_s = sum(step_ms[at] - statistics.median(noisy) for at in pass_steps) / 1e3
+    assert wait_s == pytest.approx(0.066)
+    assert moved.wall.eval_s == pytest.approx(wait_s)
+    # Without the pass steps (a summary from before they were kept): the comms beyond their median, capped.
+    validating.eval = {"passes": 4}
+    fallback = merge([validating, waiting]).ranks[1].wall.eval_s
+    assert fallback == pytest.approx((sum(step_ms) / 20 - statistics.median(step_ms)) * 20 / 1e3)
+    assert fallback < 0.06
+    # A straggler whose own 9 ms excess overlaps 17 ms of validation waits 8 ms in those steps, not 17.
+    validating.eval = {"passes": 4, "steps": pass_steps}
+    waiting.series = StepSeries(stride=1, step_ms=[38.0 if at in pass_steps else 30.0 for at in range(20)])
+    assert merge([validating, waiting]).ranks[1].wall.eval_s == pytest.approx(4 * 8.0 / 1e3)
 
 
 def test_a_phase_that_ran_in_different_steps_on_each_rank_still_adds_up_to_the_job_step():

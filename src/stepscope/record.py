@@ -180,6 +180,9 @@ class SeriesBuilder:
         return StepSeries(stride=self.stride, step_ms=step_ms) if step_ms else None
 
 
+MAX_PASS_STEPS = 4096  # passes whose step is kept (EvalPasses.steps)
+
+
 @dataclass
 class EvalPasses:
     """Validation passes between training steps, kept out of the step statistics and reported apart.
@@ -193,10 +196,18 @@ class EvalPasses:
     forwards: int = 0
     batches: int = 0
     on_add: Callable[[int, dict[str, int], int], None] = _not_streamed  # (wall ns, phases ns, batches)
+    # the place in the step series of the step each pass fell in (the first MAX_PASS_STEPS passes): where another
+    # rank of the job waited for it (instrument/merge.py)
+    steps: list[int] = field(default_factory=list)
 
-    def add(self, duration_ns: int, phases_ns: dict[str, int], forwards: int = 0, batches: int = 0) -> None:
-        """One pass: its wall time (ns), the time of the phases inside it (ns), its forwards and batches."""
+    def add(
+        self, duration_ns: int, phases_ns: dict[str, int], forwards: int = 0, batches: int = 0, step_at: int = -1
+    ) -> None:
+        """One pass: its wall time (ns), the time of the phases inside it (ns), its forwards and batches, and the
+        place in the step series of the step it fell in (-1: not known)."""
         self.on_add(duration_ns, phases_ns, batches)
+        if step_at >= 0 and len(self.steps) < MAX_PASS_STEPS:
+            self.steps.append(step_at)
         self.durations.add(duration_ns / 1e9)
         for name, ns in phases_ns.items():
             self.phases_ns[name] = self.phases_ns.get(name, 0) + ns
@@ -223,6 +234,7 @@ class EvalPasses:
             "phases_ms": {name: inside_ms[name] for name in phase_order(list(inside_ms))},
             "forwards_per_pass": self.forwards / passes,
             "batches_per_pass": self.batches / passes,
+            "steps": list(self.steps),
         }
 
 

@@ -758,14 +758,16 @@ class Scope:
         if recurs:
             _absorb(record, passes)
         else:
-            self._count_passes(passes)
+            self._count_passes(passes, self._recorder.series.count)  # the held step is kept next, there
         for done in self._recorder.release():
             self._log_step(done.index)
         return recurs
 
-    def _count_passes(self, passes: list[_Pass]) -> None:
+    def _count_passes(self, passes: list[_Pass], step_at: int = -1) -> None:
+        """The stretches cut out of the step at ``step_at`` in the series (-1: a step the series does not hold) are
+        validation passes."""
         for stretch in passes:
-            self._eval.add(stretch.wall_ns, stretch.phases_ns, stretch.forwards, stretch.batches)
+            self._eval.add(stretch.wall_ns, stretch.phases_ns, stretch.forwards, stretch.batches, step_at)
 
     def _widen(self, start_ns: int, end_ns: int) -> None:
         """Stretch the measured wall window to cover ``start_ns``..``end_ns``."""
@@ -851,8 +853,9 @@ class Scope:
         self._widen(start_ns, t1)
         if tentative:
             self._side.append(_Pass(wall_ns, inside, claimed_inside, forwards, batches))
-        else:
-            self._eval.add(wall_ns, inside, forwards, batches)
+        else:  # the open step's place: after the held step's, if one waits
+            step_at = self._recorder.series.count + (self._held is not None)
+            self._eval.add(wall_ns, inside, forwards, batches, step_at)
 
     def _capture(self, profile: ProfileWindow | None, nvtx: bool, nsys_window: NsysWindow | str | None) -> None:
         """Set up the profiler window, phase ranges and Nsight window; each is absent (a no-op) unless asked for."""

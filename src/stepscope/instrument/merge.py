@@ -294,11 +294,35 @@ def _job_eval(ranks: list[RunSummary], clock: RunSummary | None) -> dict[str, An
     return {**chosen.eval, "rank": _rank(chosen)} if chosen is not None else {}
 
 
+def _comms_s(summary: RunSummary) -> float:
+    """A rank's host time in collectives over its measured steps (s)."""
+    comms = summary.phases.get(COMMS)
+    return comms.mean_ms * comms.steps / 1e3 if comms is not None else 0.0
+
+
 def _unusual_comms_s(summary: RunSummary) -> float:
     """A rank's host time in collectives beyond its usual step's (the median's), over its measured steps (s): what
-    waits that fell in a few steps (another rank's validation) added."""
+    waits that fell in a few steps added. Where the summaries do not say in which steps the passes fell."""
     comms = summary.phases.get(COMMS)
     return max(0.0, comms.mean_ms - comms.median_ms) * comms.steps / 1e3 if comms is not None else 0.0
+
+
+def _waits_in_pass_steps(summary: RunSummary, validating: RunSummary) -> float | None:
+    """How much longer ``summary``'s steps were than its usual step (the median of the others) in the steps where
+    ``validating``'s passes fell (s), from both step series; None where they cannot say (no pass steps, series of
+    different strides). Measured per step: noise in other steps, a straggler's excess that overlaps the
+    validation, waits for a straggler every step, none of them is taken for a wait for validation."""
+    mine, theirs = summary.series, validating.series
+    pass_steps = (validating.eval or {}).get("steps") or []
+    if mine is None or theirs is None or not pass_steps or mine.stride != theirs.stride:
+        return None
+    points = {step // mine.stride for step in pass_steps}
+    usual = [ms for at, ms in enumerate(mine.step_ms) if at not in points]
+    if not usual:
+        return None
+    median_ms = statistics.median(usual)
+    excess_ms = sum(max(0.0, mine.step_ms[at] - median_ms) for at in points if at < len(mine.step_ms))
+    return excess_ms * mine.stride / 1e3
 
 
 def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
@@ -307,13 +331,15 @@ def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
 
     Validation is cut out of the steps of the rank that runs it (passes in at most half its steps); a rank that
     validates less (rank 0 alone validates, or holds more batches) waits for the difference in its next step's
-    collective, and that wait is the job's validation, not its step. The wait moved is at most the difference in
-    validation time, and at most the rank's time in collectives beyond its usual step's (the median's: validation
-    falls in at most half the steps). Not beyond the least any rank spent in them: a straggler spends least, and
-    waits for the other's validation all the same where the validation outlasts its excess; and a rank that waits
-    for a straggler every step would have those waits taken for validation. Without this, a job whose rank 0
-    alone validates reads the others' waits as its step: the step rate ~half the truth, and a straggler in whatever
-    rank 0's steps do most.
+    collective, and that wait is the job's validation, not its step. The wait is measured in the steps where the
+    passes fell: how much longer the rank's steps were there than its usual step (``_waits_in_pass_steps``), at
+    most its time in collectives and at most the difference in validation time. Not the rank's collectives beyond
+    the least any rank spent in them: a straggler spends least, and waits for the other's validation all the same
+    where the validation outlasts its excess; a rank that waits for a validating straggler every step would have
+    those waits taken for validation. Summaries that do not say where the passes fell fall back on the rank's
+    collectives beyond its usual step's (the median's), which noise in other steps makes err either way. Without
+    this, a job whose rank 0 alone validates reads the others' waits as its step: the step rate ~half the truth,
+    and a straggler in whatever rank 0's steps do most.
     Host time in ``comms`` only: where the host does not block in the collective (NCCL), the wait shows in the
     phase that next waits for the GPU, and stays there."""
     timed = [r for r in ranks if r.wall is not None and r.steps.measured and TOTAL in r.phases]
@@ -329,7 +355,9 @@ def validation_waits(ranks: list[RunSummary]) -> list[RunSummary]:
     for r in ranks:
         wait_s = 0.0
         if r in timed and r is not validating:
-            wait_s = min(validating.wall.eval_s - r.wall.eval_s, _unusual_comms_s(r))  # type: ignore[union-attr]
+            measured = _waits_in_pass_steps(r, validating)
+            waited = min(measured, _comms_s(r)) if measured is not None else _unusual_comms_s(r)
+            wait_s = min(validating.wall.eval_s - r.wall.eval_s, waited)  # type: ignore[union-attr]
         if wait_s <= VALIDATION_WAIT_MIN * r.wall.steps_s:  # type: ignore[union-attr]
             out.append(r)
             continue
