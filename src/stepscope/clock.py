@@ -268,6 +268,7 @@ class DeviceTimer:
             # first and last are among the intervals' events (a phase left open at the step's close is the one
             # exception: its start is then recorded, and so complete, before the intervals' last end)
             span_ms = 0.0 if first is None or last is None or first is last else first.elapsed_time(last)
+            span_s = max(span_ms / 1e3, 0.0)
             self._since_probe += 1
             harvested_in_time = now - last_ns <= FOLLOW_NS
             if (
@@ -280,9 +281,9 @@ class DeviceTimer:
                 # the GPU reached the last event at most now - last_ns after the host recorded it
                 last_behind_ns = (now - last_ns) - (span_ms * 1e6 - (last_ns - first_ns))
                 probe = _probe(intervals, first, first_ns, last_behind_ns if harvested_in_time else None)
-                done.append(Harvested(token, probe[0], max(span_ms / 1e3, 0.0), probe[1], probe[2]))
+                done.append(Harvested(token, probe[0], span_s, probe[1], probe[2]))
             else:
-                done.append(Harvested(token, _device_seconds(intervals), max(span_ms / 1e3, 0.0)))
+                done.append(Harvested(token, _device_seconds(intervals), span_s))
             self._recycle(intervals)
         return done
 

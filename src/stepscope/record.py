@@ -284,7 +284,7 @@ class Recorder:
     gpu_excess_ns: int = 0  # over the measured steps: the GPU's time beyond the host's (StepRecord.gpu_excess_ns)
     # device time (s) per phase over the probed steps whose lag was known (DeviceTimer), and of it where the GPU only
     # followed the host
-    probed_device_s: dict[str, float] = field(default_factory=dict)
+    judged_device_s: dict[str, float] = field(default_factory=dict)
     followed_device_s: dict[str, float] = field(default_factory=dict)
     _queued_ns: int = 0  # the host's time in the steps with device time so far: when it finished queueing them
     _gpu_done_ns: int = 0  # when the GPU finished them, on the same time line
@@ -381,7 +381,7 @@ class Recorder:
         self._unfolded_device.append(device_s)
         if judged_s is not None and followed_s is not None:
             for phase, seconds in judged_s.items():
-                self.probed_device_s[phase] = self.probed_device_s.get(phase, 0.0) + seconds
+                self.judged_device_s[phase] = self.judged_device_s.get(phase, 0.0) + seconds
             for phase, seconds in followed_s.items():
                 self.followed_device_s[phase] = self.followed_device_s.get(phase, 0.0) + seconds
         queued_from = self._queued_ns
@@ -489,9 +489,9 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
             stats.device_p95_ms = _ms(track.device.quantile(0.95))
             # Device time of the steps harvested so far, scaled to all measured steps.
             stats.device_share = (track.device.mean * track.host.count) / paced_s if paced_s > 0 else 0.0
-            probed_s = recorder.probed_device_s.get(name, 0.0)
-            if probed_s > 0:
-                stats.device_host_paced = min(1.0, recorder.followed_device_s.get(name, 0.0) / probed_s)
+            judged_s = recorder.judged_device_s.get(name, 0.0)
+            if judged_s > 0:
+                stats.device_host_paced = min(1.0, recorder.followed_device_s.get(name, 0.0) / judged_s)
         summary.phases[name] = stats
     summary.phases[TOTAL] = PhaseStats(
         mean_ms=_ms(step.mean),
@@ -530,20 +530,25 @@ def summarize(recorder: Recorder, timing: str) -> RunSummary:
 FOLLOWED_NOTE_SHARE = 0.10  # of the step: a phase's GPU time from which the summary says the GPU followed the host
 
 
+def host_paced(phases: dict[str, PhaseStats], min_share: float) -> list[tuple[str, PhaseStats]]:
+    """The phases (not nested) whose GPU time is mostly the host's (``device_host_paced`` at least one half) and at
+    least ``min_share`` of the step: the GPU had done their work by the time the host ended them."""
+    return [
+        (name, stats)
+        for name, stats in phases.items()
+        if not stats.nested and (stats.device_host_paced or 0.0) >= 0.5 and (stats.device_share or 0.0) >= min_share
+    ]
+
+
 def _followed_notes(phases: dict[str, PhaseStats]) -> list[str]:
-    """A note per phase whose GPU time is mostly the host's: the GPU had done the phase's work by the time the host
-    ended it (``device_host_paced``)."""
-    notes = []
-    for name, stats in phases.items():
-        paced, share = stats.device_host_paced, stats.device_share
-        if paced is None or share is None or paced < 0.5 or share < FOLLOWED_NOTE_SHARE or stats.nested:
-            continue
-        notes.append(
-            f"{name}'s GPU time ({stats.device_mean_ms or 0.0:.2f} ms) is mostly the host's: in {100 * paced:.0f}% "
-            "of it the GPU had done the phase's work by the time the host ended the phase, so it waited for the "
-            "host's launches; the verdict counts that time as host time, not as GPU work."
-        )
-    return notes
+    """A note per phase whose GPU time is mostly the host's (``host_paced``)."""
+    return [
+        f"{name}'s GPU time ({stats.device_mean_ms or 0.0:.2f} ms) is mostly the host's: in "
+        f"{100 * (stats.device_host_paced or 0.0):.0f}% of it the GPU had done the phase's work by the time the host "
+        "ended the phase, so it waited for the host's launches; the verdict counts that time as host time, not as GPU "
+        "work."
+        for name, stats in host_paced(phases, FOLLOWED_NOTE_SHARE)
+    ]
 
 
 def add_wall_rates(summary: RunSummary) -> None:

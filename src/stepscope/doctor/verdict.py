@@ -30,7 +30,7 @@ from __future__ import annotations
 from stepscope.collectors.signals import cpu_wait_pct
 from stepscope.collectors.stacks import describe_line
 from stepscope.doctor.facts import oversubscribed_threads
-from stepscope.record import GROUPS, TOTAL
+from stepscope.record import GROUPS, TOTAL, host_paced
 from stepscope.summary import PhaseStats, RunSummary, Straggler, Verdict
 
 MIN_STEPS = 3
@@ -42,6 +42,7 @@ TOP_LINE_SHARE = 0.10  # of a host phase's stack samples: a line named in the ho
 MIN_RETRY_RATE = 0.05  # allocator retries per measured step from which memory pressure is the verdict
 EXPLAINS = 0.5  # the waiting ranks' comms beyond the straggler's own covers this much of its excess: they wait for it
 EXPLAINS_HIGH = 0.8  # ... and this much, with an excess of at least MIN_SHARE of the step: high confidence
+FOLLOWED_LINE_SHARE = 0.05  # of the step: a host-paced phase's GPU time from which the host verdict cites it
 
 
 def _host_share(phases: dict[str, PhaseStats], name: str) -> float:
@@ -107,16 +108,12 @@ def _evidence(summary: RunSummary, group: str, share: float) -> list[str]:
 
 
 def _followed_lines(phases: dict[str, PhaseStats]) -> list[str]:
-    """The phases whose GPU time was mostly the GPU waiting for the host's launches (``device_host_paced``)."""
-    lines = []
-    for name, stats in phases.items():
-        paced, share = stats.device_host_paced or 0.0, stats.device_share or 0.0
-        if name != TOTAL and not stats.nested and paced >= 0.5 and share >= 0.05:
-            lines.append(
-                f"{name}: the GPU kept up with the host's launches ({100 * paced:.0f}% of its "
-                f"{stats.device_mean_ms or 0.0:.1f} ms of GPU time), so that time is the host's"
-            )
-    return lines
+    """The phases whose GPU time was mostly the GPU waiting for the host's launches (``host_paced``)."""
+    return [
+        f"{name}: the GPU kept up with the host's launches ({100 * (stats.device_host_paced or 0.0):.0f}% of its "
+        f"{stats.device_mean_ms or 0.0:.1f} ms of GPU time), so that time is the host's"
+        for name, stats in host_paced(phases, FOLLOWED_LINE_SHARE)
+    ]
 
 
 def _top_lines(summary: RunSummary) -> list[str]:
