@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -65,7 +67,9 @@ class StreamingStats:
         self._gamma = (1 + rel_err) / (1 - rel_err)
         self._log_gamma = math.log(self._gamma)
         self._exact: list[float] | None = []
-        self._buckets: dict[int, int] = {}
+        # the histogram's counts, dense from bucket index ``_lowest`` (a run's values span a few hundred buckets)
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._lowest = 0
         self._zeros = 0
         self.count = 0
         self.total = 0.0
@@ -80,35 +84,57 @@ class StreamingStats:
     @property
     def stored_values(self) -> int:
         """Samples or buckets held in memory (the memory bound the class promises)."""
-        return len(self._exact) if self._exact is not None else len(self._buckets) + 1
+        return len(self._exact) if self._exact is not None else self._counts.size + 1
 
     def add(self, value: float) -> None:
         """Add one sample."""
         self.extend(np.array([value], dtype=np.float64))
 
     def extend(self, values: np.ndarray) -> None:
-        """Add many samples at once (vectorised: how the recorder folds steps in, off the hot path)."""
-        values = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
+        """Add many samples at once (vectorised: how the recorder folds steps in, off the hot path). A negative
+        sample counts as 0."""
+        values = np.asarray(values, dtype=np.float64)
         if values.size == 0:
             return
+        low, high = float(values.min()), float(values.max())
+        if low < 0.0:
+            values = np.maximum(values, 0.0)
+            low, high = 0.0, max(high, 0.0)
         self.count += int(values.size)
         self.total += float(values.sum())
-        self.min = min(self.min, float(values.min()))
-        self.max = max(self.max, float(values.max()))
+        self.min = min(self.min, low)
+        self.max = max(self.max, high)
         if self._exact is not None:
             self._exact.extend(values.tolist())
             if len(self._exact) > self.exact_limit:
-                self._bucket(np.array(self._exact))
+                self._bucket(np.array(self._exact), self.min, self.max)
                 self._exact = None
         else:
-            self._bucket(values)
+            self._bucket(values, low, high)
 
-    def _bucket(self, values: np.ndarray) -> None:
-        positive = values[values > 0.0]
-        self._zeros += int(values.size - positive.size)
-        indices, counts = np.unique(np.ceil(np.log(positive) / self._log_gamma).astype(np.int64), return_counts=True)
-        for index, count in zip(indices.tolist(), counts.tolist(), strict=True):
-            self._buckets[index] = self._buckets.get(index, 0) + count
+    def _bucket(self, values: np.ndarray, low: float, high: float) -> None:
+        """Count ``values`` (>= 0, from ``low`` to ``high``) into the histogram."""
+        if low <= 0.0:
+            positive = values[values > 0.0]
+            self._zeros += int(values.size - positive.size)
+            if positive.size == 0:
+                return
+            values, low = positive, float(positive.min())
+        log_gamma = self._log_gamma
+        indices = np.ceil(np.log(values) / log_gamma).astype(np.int64)
+        # The buckets from low to high, a bucket wider each way: numpy's log may round apart from math's.
+        first, last = math.ceil(math.log(low) / log_gamma) - 1, math.ceil(math.log(high) / log_gamma) + 1
+        counts, lowest = self._counts, self._lowest
+        if counts.size == 0:
+            counts, lowest = np.zeros(last - first + 1, dtype=np.int64), first
+        elif first < lowest or last >= lowest + counts.size:
+            start = min(first, lowest)
+            grown = np.zeros(max(last, lowest + counts.size - 1) - start + 1, dtype=np.int64)
+            grown[lowest - start : lowest - start + counts.size] = counts
+            counts, lowest = grown, start
+        # A count per bucket, no sort (np.unique's): the counts are dense
+        counts += np.bincount(indices - lowest, minlength=counts.size)
+        self._counts, self._lowest = counts, lowest
 
     @property
     def mean(self) -> float:
@@ -126,12 +152,12 @@ class StreamingStats:
         seen = self._zeros
         if rank < seen:
             return 0.0
-        for index in sorted(self._buckets):
-            seen += self._buckets[index]
-            if rank < seen:
-                estimate = 2 * self._gamma**index / (self._gamma + 1)
-                return min(max(estimate, self.min), self.max)
-        return self.max
+        # the first bucket whose cumulative count passes the rank
+        position = int(np.searchsorted(np.cumsum(self._counts) + seen, rank, side="right"))
+        if position == self._counts.size:
+            return self.max
+        estimate = 2 * self._gamma ** (self._lowest + position) / (self._gamma + 1)
+        return min(max(estimate, self.min), self.max)
 
 
 class SeriesBuilder:
@@ -415,22 +441,30 @@ class Recorder:
         if records:
             step_s = np.array([r.step_ns for r in records], dtype=np.float64) / 1e9
             self.step_stats.extend(step_s)
-            host: dict[str, list[int]] = {}
-            for record in records:
-                for phase, ns in record.phases_ns.items():
-                    host.setdefault(phase, []).append(ns)
-                if record.samples is not None:
-                    self.samples += record.samples
-                    self.sampled_steps += 1
-            for phase, values in host.items():
+            for phase, values in _columns([r.phases_ns for r in records], self.phases).items():
                 self._track(phase).host.extend(np.array(values, dtype=np.float64) / 1e9)
+            samples = [r.samples for r in records if r.samples is not None]
+            self.samples += sum(samples)
+            self.sampled_steps += len(samples)
         device_steps, self._unfolded_device = self._unfolded_device, []
-        device: dict[str, list[float]] = {}
-        for device_s in device_steps:
-            for phase, seconds in device_s.items():
-                device.setdefault(phase, []).append(seconds)
-        for phase, values in device.items():
+        for phase, values in _columns(device_steps, self.phases).items():
             self._track(phase).device.extend(np.array(values, dtype=np.float64))
+
+
+def _columns(rows: list[dict[str, Any]], known: Container[str]) -> dict[str, list[Any]]:
+    """Per-key values of ``rows`` (dicts), each key's in row order over the rows that hold it. Keys not ``known``
+    come in the order the rows first hold them (the order new phases' statistics take). Most steps hold the same
+    phases: a key every row holds is read in one C loop (itemgetter)."""
+    keys: Iterable[str] = set().union(*rows)
+    if not all(key in known for key in keys):
+        keys = dict.fromkeys(chain.from_iterable(rows))
+    columns: dict[str, list[Any]] = {}
+    for key in keys:
+        try:
+            columns[key] = list(map(itemgetter(key), rows))
+        except KeyError:
+            columns[key] = [row[key] for row in rows if key in row]
+    return columns
 
 
 def _ms(seconds: float) -> float:

@@ -181,7 +181,14 @@ class _HostPhase:
             elapsed = t1 - starts.pop()
             scope._depth -= 1
             if not starts:  # an inner entry of a phase still open is inside the outer one's time already
-                scope._add(self._name, elapsed)
+                # Scope._add, inline: the one call a phase's exit would make
+                current = scope._current
+                name = self._name
+                current[name] = current.get(name, 0) + elapsed
+                if scope._depth:
+                    scope._recorder.nested.add(name)
+                else:
+                    scope._claimed_ns += elapsed
         except Exception as error:
             scope._fail(error)
         return False
@@ -708,7 +715,9 @@ class Scope:
         t0 = self._step_start_ns
         self._step_start_ns = t1
         cut, self._cut_ns = self._cut_ns, 0
-        side, self._side = self._side, []
+        side = self._side
+        if side:  # a fresh list only after a step that cut a stretch out (most steps cut none)
+            self._side = []
         if t0 is None:
             # The first step closed before any phase or fetch began: its start is unknown, so it is not timed.
             self._count_passes(side)
@@ -729,7 +738,7 @@ class Scope:
             self._device.discard_step()
             self._step_start_ns = self._clock()  # the profiler's step() (a trace export) is not the next step's time
             return
-        if self._settle_held(recurs=bool(side)):
+        if self._held is not None and self._settle_held(recurs=bool(side)):
             _absorb(record, side)  # this step's stretch recurs too: it stays in the step
             side = []
         if recorder.add(record, hold=bool(side) and recorder.measuring):
@@ -774,8 +783,11 @@ class Scope:
         window = self._window
         if window is None:
             self._window = [start_ns, end_ns]
-        else:
-            window[0], window[1] = min(window[0], start_ns), max(window[1], end_ns)
+        else:  # compared inline: builtins.min/max calls cost more on this per-step path
+            if start_ns < window[0]:
+                window[0] = start_ns
+            if end_ns > window[1]:
+                window[1] = end_ns
 
     def _wall(self) -> Wall | None:
         """Where the measured window's wall time went: training steps, validation passes, neither (s). Where the
