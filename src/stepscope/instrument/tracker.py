@@ -347,7 +347,7 @@ class Tracker:
     # tracker call the unguarded versions, so each hook event pays for one guard.
     enter = _guarded(_enter)
     exit = _guarded(_exit)
-    count = _guarded(_count)
+    count = _count  # one increment: the guard's two clock reads would cost more than it
 
     # -- events from the hooks ---------------------------------------------------------------------------------
 
