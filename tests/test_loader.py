@@ -273,6 +273,36 @@ def test_h2d_copies_every_tensor_of_structured_batches(clock, monkeypatch):
     assert sum(isinstance(m, torch.Tensor) for m in moved) == 6 * 3  # every tensor of every batch was copied
 
 
+def test_a_dataclass_batch_is_counted_and_copied_whole(clock):
+    # A batch class of the script's own: its samples are its first tensor's first dimension, and the copy to the
+    # device keeps the class, its tensors moved and its other fields as they were.
+    import dataclasses
+
+    from stepscope.analyses.batches import batch_samples, batch_tensors
+
+    @dataclasses.dataclass(frozen=True)
+    class Batch:
+        source: str
+        images: torch.Tensor
+        labels: torch.Tensor
+        count: int = dataclasses.field(default=0, init=False)
+
+    batch = Batch("a", torch.zeros(6, 3), torch.ones(6))
+    assert [t.shape[0] for t in batch_tensors(batch)] == [6, 6] and batch_samples(batch_tensors(batch)) == 6
+    assert batch_tensors({"batch": batch, "names": ["x"]}) == batch_tensors(batch)  # nested as well
+    moved = loader_mod._to_device(batch, "cpu", non_blocking=False)
+    assert type(moved) is Batch and moved.source == "a" and torch.equal(moved.images, batch.images)
+
+    class Batches:
+        def __iter__(self):
+            for _ in range(6):
+                clock.advance(1.0)
+                yield Batch("b", torch.zeros(8, 2), torch.ones(8))
+
+    result = measure_loader(Batches(), batches=4, warmup=2, clock=clock)
+    assert result.samples_per_s == pytest.approx(8 * 4 / 0.004)
+
+
 def test_pinned_loader_copies_non_blocking(monkeypatch):
     calls = []
     monkeypatch.setattr(loader_mod, "_to_device", lambda batch, device, non_blocking: calls.append(non_blocking))

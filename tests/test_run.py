@@ -911,3 +911,44 @@ def test_a_scripts_own_scope_is_named_in_a_note_with_its_phases(tmp_path):
     assert "'myphase'" in note and "stay in that Scope's summary()" in note, note
     assert "myphase" not in r.summary.phases, "the run's figures are its own"
     assert "the script's own Scope timed phase(s) 'myphase'" in r.stdout
+
+
+def test_a_batch_of_a_dataclass_of_its_own_gives_samples_per_s(tmp_path):
+    # `@dataclass class Batch` from a collate_fn (a batch class of the script's own, as many codebases have): its
+    # tensors are the batch's, so the first one's first dimension is the samples, as for a tuple or a dict.
+    import dataclasses
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from stepscope.instrument.hooks import install
+    from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
+    from stepscope.scope import enabled_scope
+
+    @dataclasses.dataclass
+    class Batch:
+        name: str
+        images: torch.Tensor
+        labels: torch.Tensor
+
+    def collate(rows):
+        return Batch("train", torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+
+    warmup, steps = 2, 8
+    scope = enabled_scope(warmup=warmup, system_interval_s=None)
+    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=warmup, steps=steps))
+    undo = install(tracker)
+    loader = DataLoader(TensorDataset(torch.randn(96, 8), torch.randn(96, 4)), batch_size=6, collate_fn=collate)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        for batch in loader:
+            torch.nn.functional.mse_loss(model(batch.images), batch.labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except StopRun:
+        pass
+    finally:
+        undo()
+    s = tracker.summary()
+    assert s.steps.measured == steps
+    assert s.throughput.samples_per_s == pytest.approx(6 * s.throughput.steps_per_s, rel=1e-6), s.throughput

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 
 def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
-    """The tensors in a batch (a tensor, or tuples/lists/mappings of them three levels deep), at most ``limit``."""
+    """The tensors in a batch (a tensor, or tuples/lists/mappings/dataclasses of them three levels deep), at most
+    ``limit``."""
     Tensor = sys.modules["torch"].Tensor  # imported by the script by now; an import statement here costs µs a step
     if isinstance(batch, Tensor):
         return [batch]
@@ -25,6 +27,9 @@ def batch_tensors(batch: Any, limit: int = 64) -> list[Any]:
             todo.extend((x, depth + 1) for x in item)
         elif depth < 3 and isinstance(item, Mapping):
             todo.extend((x, depth + 1) for x in item.values())
+        elif depth < 3 and is_dataclass(item) and not isinstance(item, type):
+            # a batch class of its own (``@dataclass class Batch: images: Tensor; labels: Tensor``)
+            todo.extend((getattr(item, f.name), depth + 1) for f in fields(item))
     return found
 
 

@@ -198,6 +198,9 @@ def _to_device(batch: Any, device: Any, non_blocking: bool) -> Any:
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuples too
     if isinstance(batch, dict):
         return {k: _to_device(v, device, non_blocking) for k, v in batch.items()}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        names = [f.name for f in dataclasses.fields(batch) if f.init]  # what replace() takes
+        return dataclasses.replace(batch, **{n: _to_device(getattr(batch, n), device, non_blocking) for n in names})
     return batch
 
 
