@@ -130,12 +130,20 @@ FORWARD_MS = 8.0
 
 @pytest.mark.parametrize(
     ("where", "teacher"),
-    [("end", False), ("start", False), ("tensors", False), ("end", True)],
-    ids=["after-the-step-from-a-loader", "before-the-forward-from-a-loader", "from-tensors", "beside-a-teacher"],
+    [("end", False), ("start", False), ("tensors", False), ("train-batches", False), ("end", True)],
+    ids=[
+        "after-the-step-from-a-loader",
+        "before-the-forward-from-a-loader",
+        "from-tensors",
+        "from-the-training-loaders-next-batches",
+        "beside-a-teacher",
+    ],
 )
 def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, teacher):
     # 40 measured steps, a pass of 10 no_grad forwards every 10 steps. A teacher's no_grad forward inside every
-    # step (4 ms) is training work and must stay in it.
+    # step (4 ms) is training work and must stay in it. Validation on the training loader's next batches fetches
+    # each of them before its forward, as a step does: no training work used them, so they are the pass's (counted
+    # as the steps', they read 1.25 batches a step and samples/s as much too high), and it is one pass, not ten.
     args = ["--where", where, "--val-every", "10", "--val-batches", "10", "--forward-ms", str(FORWARD_MS)]
     r = stepscope_here(tmp_path, script("validation.py"), *args, *(["--teacher"] if teacher else []), steps=40)
     assert r.returncode == 0, r.describe()
@@ -156,6 +164,7 @@ def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, t
     assert forward.mean_ms <= 1.3 * forward.median_ms, r.describe()
     assert summary.counters["forward_calls"] == pytest.approx(2.0 if teacher else 1.0)
     assert summary.counters["batches"] == pytest.approx(1.0)  # validation batches are not the step's samples
+    assert summary.throughput.samples_per_s == pytest.approx(8 * summary.throughput.steps_per_s, rel=1e-6)
     assert 0.25 <= passes["share_of_wall"] <= 0.7, passes  # 4 × 10 forwards against 40 × 1–1.5 forwards
     assert summary.verdict.bound == "compute", r.describe()
     assert "eval: 4 validation pass(es) between steps" in r.stdout, r.stdout

@@ -819,6 +819,7 @@ class Scope:
         tentative: bool = False,
         moved: dict[str, int] | None = None,
         moved_start_ns: int | None = None,
+        resumes: bool = False,
     ) -> None:
         """The pass that began at ``_begin_eval`` ends at ``t1``: the step gets its accumulators back, less the
         pass's wall time. ``keep=False``: it was training work after all (a frozen teacher's forward without
@@ -826,7 +827,9 @@ class Scope:
         time added to the step before the pass began that was the pass's (its loader's first fetch): it moves into
         the pass, whose wall time then starts there. ``tentative``: a pass inferred from the script's events (not
         declared with ``phase("eval")``) counts as one only if the next step cuts out no stretch of its own; if it
-        does, the work recurs every step and goes back into both steps (``_settle_held``)."""
+        does, the work recurs every step and goes back into both steps (``_settle_held``). ``resumes``: a tentative
+        pass that goes on the one cut out just before it in this step, with nothing but its own fetch between: one
+        pass, not two."""
         window, self._eval_window = self._eval_window, None
         if window is None:
             return
@@ -863,7 +866,15 @@ class Scope:
         if not self._recorder.measuring:
             return
         self._widen(start_ns, t1)
-        if tentative:
+        if tentative and resumes and self._side:
+            last = self._side[-1]
+            last.wall_ns += wall_ns
+            for name, ns in inside.items():
+                last.phases_ns[name] = last.phases_ns.get(name, 0) + ns
+            last.claimed_ns += claimed_inside
+            last.forwards += forwards
+            last.batches += batches
+        elif tentative:
             self._side.append(_Pass(wall_ns, inside, claimed_inside, forwards, batches))
         else:  # the open step's place: after the held step's, if one waits
             step_at = self._recorder.series.count + (self._held is not None)

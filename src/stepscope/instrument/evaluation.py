@@ -11,7 +11,9 @@ frozen teacher's forward before the student's, a model kept in ``eval()`` while 
 only when it fetched batches between its forwards (a validation loop over a loader) or ran at least
 ``MIN_PASS_FORWARDS`` forwards; otherwise its time goes back into the step. The validation loader's fetches
 just before the first forward (``iter(val_loader)`` and its first batch) belong to the pass and move into it when
-it fetches from that loader again.
+it fetches from that loader again. So does a batch of a training loader fetched just before the first forward when
+the pass ends at the next fetch from a training loader: an evaluation on the training loader's next batches, which
+no training work used (counted as the step's, they overstated samples/s by the share of batches evaluated).
 
 Validation recurs now and then; work that recurs in every step is step work, whatever its grad mode: a reference
 model's or teacher's forward, metrics, an EMA update, test-time augmentation. So a kept stretch is only
@@ -58,11 +60,15 @@ class EvalDetector:
     _pass_loaders: set[int | None] = field(default_factory=set)  # loaders the open pass fetched from
     _step_loaders: set[int] = field(default_factory=set)  # loaders fetched from in this step, outside passes
     _fetches: list[_Fetch] = field(default_factory=list)  # this step's fetches since its last training event
+    # The last pass ended at a training loader's fetch, and no training work came since: a pass that begins now
+    # goes on that one (an evaluation over the training loader's next batches is one pass, not one per batch)
+    _resumable: bool = False
+    _resumes: bool = False  # the open pass goes on the last one
 
     def fetch_begin(self, tracker: Any, loader: int | None, now: int) -> None:
         """A fetch from ``loader`` begins: one from a training loader ends an open pass."""
         if self.open and loader is not None and loader in self.training_loaders:
-            self._end(tracker, now, keep=True)
+            self._end(tracker, now, keep=True, by_fetch=True)
 
     def fetch_end(self, loader: int | None, start_ns: int, end_ns: int, samples: int, batch: bool) -> bool:
         """A fetch ended; True when it belongs to an open pass (its batch and samples are not the step's)."""
@@ -113,11 +119,13 @@ class EvalDetector:
         self._side_before, self._side_now = self._side_now, False
         self._forwards_before, self._forwards_now = self._forwards_now, 0
         self.fresh = True
+        self._resumable = False
         self._fetches.clear()
         self._step_loaders.clear()
 
     def _trained(self) -> None:
         self.fresh = False
+        self._resumable = False
         self.training_loaders |= self._step_loaders
         self._fetches.clear()
 
@@ -125,29 +133,41 @@ class EvalDetector:
         """This step's fetches since its last training event from loaders that do not feed training."""
         return [f for f in self._fetches if f.loader is None or f.loader not in self.training_loaders]
 
+    def _owns(self, fetch: _Fetch, by_fetch: bool) -> bool:
+        """Whether a fetch made just before the pass was the pass's: one from a loader aside that the pass fetched
+        from again, or a training loader's batch that no training work used before the next training fetch."""
+        if fetch.loader is not None and fetch.loader in self.training_loaders:
+            return by_fetch and fetch.batch
+        return fetch.loader in self._pass_loaders
+
     def _is_pass(self) -> bool:
         return self.fetched or self.forwards >= MIN_PASS_FORWARDS
 
     def _begin(self, tracker: Any, now: int) -> None:
         # `for x in val_loader` fetches before its first forward: those fetches join the pass at its end if it
         # fetched from the same loader again (a loop over it), and stay in the step otherwise (the training batch
-        # that side work ran on before the training forward).
-        self._before = self._aside()
+        # that side work ran on before the training forward). A training loader's batch fetched before the pass
+        # joins it when the pass ends at the next fetch from a training loader: no training work ever used that
+        # batch (an evaluation on the training loader's next batches).
+        self._before = list(self._fetches)
         self._fetches.clear()
+        self._resumes, self._resumable = self._resumable, False
         tracker.scope._begin_eval(now)
         self.open = True
         self.fetched = False
         self.batches = self.samples = 0
         self._pass_loaders = set()
 
-    def _end(self, tracker: Any, now: int, keep: bool) -> None:
-        moved = [f for f in self._before if f.loader in self._pass_loaders] if keep else []
+    def _end(self, tracker: Any, now: int, keep: bool, by_fetch: bool = False) -> None:
+        """The open pass ends at ``now``: at a fetch from a training loader (``by_fetch``), or at training work."""
+        moved = [f for f in self._before if self._owns(f, by_fetch)] if keep else []
         if moved:
             batches, samples = sum(f.batch for f in moved), sum(f.samples for f in moved)
             self.batches += batches
             self.samples += samples
             tracker.take_from_step(batches, samples)
-            self._step_loaders -= {f.loader for f in moved if f.loader is not None}  # the pass's, not training's
+            # the pass's loaders, not training's
+            self._step_loaders -= {f.loader for f in moved if f.loader not in self.training_loaders}
         tracker.scope._end_eval(
             now,
             keep=keep,
@@ -156,7 +176,9 @@ class EvalDetector:
             tentative=True,
             moved={"data_wait": sum(f.ns for f in moved)} if moved else None,
             moved_start_ns=min((f.start_ns for f in moved), default=None),
+            resumes=self._resumes and keep,
         )
+        self._resumable = by_fetch and keep
         # Kept as a pass or given back as too short for one, this step had a stretch of evaluation: work that
         # recurs every step (a metric, a teacher) is step work, also in a step where a validation pass follows it
         self._side_now = True
