@@ -269,10 +269,16 @@ Runner = Callable[[list[str], Path, Path, float], tuple[int | None, str]]
 
 
 def run_case(
-    spec: CaseSpec, folder: Path, timeout: float = CASE_TIMEOUT_S, rescore: bool = False, runner: Runner | None = None
+    spec: CaseSpec,
+    folder: Path,
+    timeout: float = CASE_TIMEOUT_S,
+    rescore: bool = False,
+    runner: Runner | None = None,
+    redoctor: bool = False,
 ) -> CaseResult:
     """Writes the case's script into ``folder``, runs the doctor on it (beside its busy loops) and scores it
-    (``rescore``: scores what an earlier run left in ``folder``, without running). ``runner(command, folder, output
+    (``rescore``: scores what an earlier run left in ``folder``, without running; ``redoctor``: with the verdict
+    and fixes of its summary made again by this code). ``runner(command, folder, output
     file, timeout)`` runs the doctor and returns (exit code, why it was cut short); by default a process of its own
     (the suite runs single-rank CI cases inside the test process instead)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -293,7 +299,7 @@ def run_case(
     if not json_path.exists():
         result.scores = failed_run(f"no summary (exit code {rc}{'; ' + why if why else ''})")
         return result
-    summary = json.loads(json_path.read_text())
+    summary = redoctored(json_path) if redoctor else json.loads(json_path.read_text())
     try:
         own = _read_own(spec, truth_prefix, summary)
     except TruthError as exc:
@@ -305,6 +311,18 @@ def run_case(
     if rc != 0:
         result.notes.append(f"exit code {rc}")
     return result
+
+
+def redoctored(json_path: Path) -> dict[str, Any]:
+    """The summary at ``json_path`` with its verdict and fixes made again by this code's doctor, from the lint
+    hits and measurements it holds: what a change to the rules would have said on a kept run."""
+    from stepscope.doctor.checkup import examine
+    from stepscope.doctor.lint import LintHit
+    from stepscope.summary import RunSummary
+
+    summary = RunSummary.from_json(json_path)
+    examine(summary, [LintHit(**hit) for hit in summary.facts.get("lint", [])])
+    return summary.to_dict()
 
 
 def nominal(spec: CaseSpec, rank: int = 0) -> dict[str, float]:
@@ -389,6 +407,11 @@ def failures(results: list[CaseResult], args: argparse.Namespace) -> str:
 def _specs(args: argparse.Namespace) -> list[CaseSpec]:
     drawn = (draw_case(args.seed, i, args.ranks_share, args.load) for i in range(args.cases))
     specs = ci_cases() if args.ci else list(drawn)
+    if args.rescore and args.out and (args.out / "results.jsonl").exists():
+        # the cases as they were run: a block added to the draw since changes some of a seed's cases
+        with open(args.out / "results.jsonl") as f:
+            kept = {row["case"]: CaseSpec.from_dict(row["spec"]) for row in map(json.loads, f)}
+        specs = [kept.get(spec.case_id, spec) for spec in specs]
     if args.only:
         wanted = set(args.only.split(","))
         specs = [s for s in specs if s.case_id in wanted or str(s.index) in wanted]
@@ -408,6 +431,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="cases at once (1: others would skew the timings)")
     parser.add_argument("--ci", action="store_true", help="run the CI subset's fixed cases instead")
     parser.add_argument("--rescore", action="store_true", help="score what an earlier run left in --out again")
+    parser.add_argument(
+        "--redoctor",
+        action="store_true",
+        help="with --rescore: the kept summaries' verdict and fixes made again by this code's doctor (the same "
+        "measurements, the current rules); the files are left as they are",
+    )
     parser.add_argument("--plain", action="store_true", help="run the scripts without stepscope: own figures only")
     parser.add_argument("--timeout", type=float, default=CASE_TIMEOUT_S, help="seconds per case")
     return parser.parse_args(argv)
@@ -440,7 +469,7 @@ def _run_all(specs: list[CaseSpec], root: Path, args: argparse.Namespace) -> lis
     from concurrent.futures import ThreadPoolExecutor
 
     def one(spec: CaseSpec) -> CaseResult:
-        result = run_case(spec, root / spec.case_id, args.timeout, rescore=args.rescore)
+        result = run_case(spec, root / spec.case_id, args.timeout, rescore=args.rescore, redoctor=args.redoctor)
         marks = "".join("." if s.status == RIGHT else "-" if s.status == NA else "x" for s in result.scores)
         print(f"{spec.case_id} {marks} {result.seconds:5.1f}s {spec.blocks()}", flush=True)
         return result

@@ -499,7 +499,8 @@ def _after_step(spec: CaseSpec) -> tuple[list[str], int | None, int | None]:
         out.append(f'{body}TRUTH.inject("checkpoint", clock() - start)')
     if spec.val:
         alone = "" if spec.val.only_rank is None else f" and RANK == {spec.val.only_rank}"
-        out += [f"{ind}if step % {spec.val.every} == 0{alone}:", f"{ind}    validate(model, val_loader)"]
+        source = "iters[0]" if spec.val.source == "train" else "val_loader"
+        out += [f"{ind}if step % {spec.val.every} == 0{alone}:", f"{ind}    validate(model, {source})"]
     out += [f"{ind}if step == MAX_STEPS:", f"{ind}    break"]
     return out, log_at, ckpt_at
 
@@ -511,6 +512,22 @@ VALIDATE = '''def validate(model, loader):
     model.eval()
     with torch.no_grad():
         for x, _ in loader:
+            model(x)
+    model.train()
+    TRUTH.val_s += clock() - start
+    TRUTH.in_val = False
+
+
+'''
+
+VALIDATE_TRAIN = '''def validate(model, batches):
+    """A validation pass over the training loader's next VAL_BATCHES batches (no loader of its own), own-timed."""
+    TRUTH.in_val = True
+    start = clock()
+    model.eval()
+    with torch.no_grad():
+        for _ in range(VAL_BATCHES):
+            x, _ = next(batches)
             model(x)
     model.train()
     TRUTH.val_s += clock() - start
@@ -546,7 +563,9 @@ def write_script(spec: CaseSpec) -> Script:
         lines += EPOCHS.splitlines()
     if spec.critic:
         lines += CRITIC.splitlines()
-    if spec.val:
+    if spec.val and spec.val.source == "train":
+        lines += [f"VAL_BATCHES = {spec.val.batches}", "", "", *VALIDATE_TRAIN.splitlines()]
+    elif spec.val:
         lines += VALIDATE.splitlines()
     lines += _setup(spec)
     body = ["    try:", "        while True:"] if spec.ranks > 1 else ["    while True:"]

@@ -27,6 +27,7 @@ EPOCHS_SHARE = 0.35  # of the cases whose short map-style loaders start a new ep
 CRITIC_SHARE = 0.15  # of the cases with a second model trained by its own optimizer every step (a GAN's)
 SCHEDULER_SHARE = 0.3  # of the cases stepping a learning-rate scheduler after each step
 RANK0_VAL_SHARE = 0.5  # of the 2-rank cases with validation, where rank 0 alone validates
+VAL_TRAIN_SHARE = 0.3  # of the cases with validation, where it takes the training loader's next batches
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,14 @@ class LoaderSpec:
 
 @dataclass(frozen=True)
 class ValSpec:
-    """A validation pass every ``every`` steps over its own loader of ``batches`` batches (each ``cost`` to load)."""
+    """A validation pass every ``every`` steps over its own loader of ``batches`` batches (each ``cost`` to load),
+    or (``source`` "train") over the next ``batches`` batches of the first training loader's iterator."""
 
     every: int
     batches: int
     cost: Cost | None = None  # per validation batch, in the validation Dataset
     only_rank: int | None = None  # the rank that alone validates (the others wait for it); None: every rank
+    source: str = "loader"  # "loader": a loader of its own; "train": the training loader's next batches
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class CaseSpec:
             parts.append(f"side={self.side.role}@{self.side.where}({self.side.cost.describe()})")
         if self.val:
             alone = "" if self.val.only_rank is None else f"@rank{self.val.only_rank}"
-            parts.append(f"val=every{self.val.every}x{self.val.batches}{alone}")
+            source = "" if self.val.source == "loader" else f"@{self.val.source}"
+            parts.append(f"val=every{self.val.every}x{self.val.batches}{alone}{source}")
         if self.checkpoint_mb:
             parts.append(f"checkpoint={self.checkpoint_mb:g}MB")
         if self.log:
@@ -167,6 +171,25 @@ class CaseSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CaseSpec:
+        """The spec ``to_dict`` wrote (a kept run's: the draw may have changed since)."""
+
+        def cost(c: dict[str, Any] | None) -> Cost | None:
+            return None if c is None else Cost(**c)
+
+        def block(kind: type, d: dict[str, Any] | None) -> Any:
+            return None if d is None else kind(**{**d, "cost": cost(d.get("cost"))})
+
+        fields = {**data}
+        fields["loaders"] = [block(LoaderSpec, d) for d in data["loaders"]]
+        for name in ("forward", "backward", "optimizer", "other"):
+            fields[name] = cost(data.get(name))
+        fields["side"] = block(SideSpec, data.get("side"))
+        fields["val"] = block(ValSpec, data.get("val"))
+        fields["straggler"] = block(StragglerSpec, data.get("straggler"))
+        return cls(**fields)
 
 
 def is_two_rank(index: int, share: float) -> bool:
@@ -283,6 +306,9 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
         spec.val = ValSpec(every=rng.randint(5, 10), batches=rng.randint(2, 4), cost=val_cost)
         if spec.ranks > 1 and rank0_val:
             spec.val = replace(spec.val, only_rank=0)
+        # Its own draw (added later). Its batches cost what the training loader's do.
+        if random.Random(f"truth:{seed}:{index}:val-source").random() < VAL_TRAIN_SHARE:
+            spec.val = replace(spec.val, source="train", cost=None)
     if spec.ranks == 1 and not load and rng.random() < 0.08:
         spec.bg_load = rng.choice((1, 2))
     if load:
