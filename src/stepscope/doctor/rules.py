@@ -239,11 +239,15 @@ def _loader_workers(case: Case) -> Finding | None:
     if not helped:
         return None
     loader = max(helped, key=lambda x: shares[x.index])  # of those more workers can help, the one waited for most
-    data = shares[loader.index]
-    if data < (MORE_WORKERS_MIN_SHARE if loader.num_workers else MIN_DATA_SHARE):
-        return None
     if loader.num_workers > 0:
-        return _more_workers(case, loader, data)
+        data = shares[loader.index]
+        return _more_workers(case, loader, data) if data >= MORE_WORKERS_MIN_SHARE else None
+    # The advice (and `--apply`, which sets the count on every DataLoader) gives each loader without workers its
+    # own: the bound is their waits together, the data share the verdict weighs
+    idle = [x for x in helped if x.num_workers == 0]
+    data = sum(shares[x.index] for x in idle)
+    if data < MIN_DATA_SHARE:
+        return None
     cores, local = case.cores(), case.local_ranks()
     waits = _fetch_waits(case)
     hint, workers = None, None
@@ -276,9 +280,14 @@ def _loader_workers(case: Case) -> Finding | None:
             f"DataLoader(..., num_workers={workers}, persistent_workers=True) "
             f"({cores:g} usable cores, {local} rank(s) on this machine)"
         )
-    whose = "" if len(shares) == 1 else f" on loader {loader.index}"
+    if len(idle) > 1:
+        named = ", ".join(f"{x.index} ({x.dataset})" for x in idle)
+        said, whose = f"loaders {named} have num_workers=0", " on them"
+    else:
+        said = f"loader {loader.index} ({loader.dataset}) has num_workers=0"
+        whose = "" if len(shares) == 1 else f" on loader {loader.index}"
     evidence = [
-        f"loader {loader.index} ({loader.dataset}) has num_workers=0",
+        said,
         f"data_wait{whose} is {pct(data)} of the step ({data * case.ms(TOTAL):.1f} ms of {case.ms(TOTAL):.1f} ms)",
         *_at(case.lines("num_workers_zero")),
     ]
