@@ -532,9 +532,9 @@ def _names(fix: dict[str, Any], exp: Expectation, kind: str, rank_needed: bool, 
 
 
 def score_fix(summary: dict[str, Any], exp: Expectation, script: str) -> Score:
-    """Score 4: the first fix aims at the cause of the (accepted) bound, naming its loader, line or rank; or at a
-    secondary injected cause that the cheapest-first ranking puts before it; with no catalogued fix for the
-    cause, it aims at nothing that was not injected."""
+    """Score 4: the first fix aims at the cause of the (accepted) bound, or of another accepted bound, naming its
+    loader, line or rank; or at a secondary injected cause that the cheapest-first ranking puts before it; with no
+    catalogued fix for the cause, it aims at nothing that was not injected."""
     fixes = summary.get("fixes") or []
     bound = (summary.get("verdict") or {}).get("bound")
     group = bound if bound in exp.causes else exp.bound_ok[0]
@@ -556,6 +556,16 @@ def score_fix(summary: dict[str, Any], exp: Expectation, script: str) -> Score:
         missing = _names(first, exp, cause, rank_needed, script)
         text += f"; evidence misses {missing}" if missing else ""
         return Score("first fix", WRONG if missing else RIGHT, text)
+    for other in exp.bound_ok:
+        # The cause of another accepted bound (a straggler's injected phase beside a data wait as large): the
+        # doctor ranks their fixes by their bounds, whichever group the verdict named
+        other_cause = exp.causes.get(other)
+        if other_cause is not None and other_cause != cause and first["id"] in AIMED.get(other_cause, frozenset()):
+            missing = _names(first, exp, other_cause, other == exp.straggler_group, script)
+            text += f" (first aims at the accepted bound {other}'s cause)"
+            return Score(
+                "first fix", WRONG if missing else RIGHT, text + (f"; evidence misses {missing}" * bool(missing))
+            )
     kind = _aimed_kind(first, [k for k in exp.secondary if k != cause])
     if kind is not None:
         missing = _names(first, exp, kind, False, script)

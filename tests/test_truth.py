@@ -227,3 +227,20 @@ def test_a_slow_ranks_loader_that_its_prefetcher_hides_is_no_straggler() -> None
     assert truth.expect(spec, own, {"checkpoint": None, "log": None}).straggler is None
     own[1].phases = {**own[1].phases, "data_wait": 3.7}
     assert truth.expect(spec, own, {"checkpoint": None, "log": None}).straggler == (1, "data_wait")
+
+
+def test_a_first_fix_aimed_at_another_accepted_bounds_cause_is_right() -> None:
+    # Seed 2033's c006: a data wait (48%) and a straggler's optimizer (a 41% excess) are both accepted bounds; the
+    # verdict named data, and the doctor ranked the optimizer's fix first on its larger bound. It aims at the
+    # injected straggler, naming its rank; a fix aimed at neither is still wrong.
+    spec = truth.CaseSpec("t", 0, 0, loaders=[LoaderSpec("ImagesDataset", cost=Cost(10.0))], cause="data")
+    exp = _expectation(spec)
+    exp.bound_ok, exp.straggler_group, exp.fix_rank = ["data", "optimizer"], "optimizer", 1
+    exp.causes = {"data": "data", "optimizer": "optimizer", "balanced": "data"}
+    verdict = {"bound": "data", "confidence": "high", "evidence": []}
+    fused = {"id": "optimizer.fused", "cost": "config", "gain_bound": 0.41, "evidence": ["rank 1: optimizer.step"]}
+    assert score_fix(_summary(fixes=[fused], verdict=verdict), exp, "t.py").status == RIGHT
+    unnamed = {**fused, "evidence": ["optimizer.step is 42% of the step"]}
+    assert score_fix(_summary(fixes=[unnamed], verdict=verdict), exp, "t.py").status == WRONG
+    aimless = {"id": "host.threads", "cost": "config", "gain_bound": 0.3, "evidence": []}
+    assert score_fix(_summary(fixes=[aimless], verdict=verdict), exp, "t.py").status == WRONG
