@@ -242,12 +242,12 @@ def _loader_workers(case: Case) -> Finding | None:
     if loader.num_workers > 0:
         data = shares[loader.index]
         return _more_workers(case, loader, data) if data >= MORE_WORKERS_MIN_SHARE else None
-    # The advice (and `--apply`, which sets the count on every DataLoader) gives each loader without workers its
-    # own: the bound is their waits together, the data share the verdict weighs
+    if shares[loader.index] < MIN_DATA_SHARE:
+        return None  # no loader waited for long enough to be worth the workers (tiny batches: their hand-over)
+    # Once one is, the advice (and `--apply`, which sets the count on every DataLoader) gives each loader without
+    # workers its own: the bound is their waits together, the data share the verdict weighs
     idle = [x for x in helped if x.num_workers == 0]
     data = sum(shares[x.index] for x in idle)
-    if data < MIN_DATA_SHARE:
-        return None
     cores, local = case.cores(), case.local_ranks()
     waits = _fetch_waits(case)
     hint, workers = None, None
