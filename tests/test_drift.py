@@ -67,6 +67,53 @@ def test_optimizer_time_is_what_a_timer_around_the_step_reads(tmp_path):
     assert len(hand_ns) == WARMUP + STEPS  # the last measured step's opt.step() returned
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps 3 ms: a backward pass with ground truth."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.003)
+        return grad
+
+
+def test_a_gradient_penalty_through_autograd_grad_is_backward_time(tmp_path):
+    # WGAN-GP's critic step: torch.autograd.grad for the penalty, then loss.backward(). The penalty's backward pass
+    # (3 ms of sleep, timed by hand around the call) is backward time with the loss's (3 ms more); left in `other`
+    # it read as the host's, and a compute-bound critic as host-bound.
+    torch.set_num_threads(1)
+    tracker, undo = instrumented(tmp_path)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    grad_ns: list[int] = []
+    try:
+        for _ in range(WARMUP + STEPS + 1):
+            x = torch.randn(4, 8, requires_grad=True)
+            out = model(_SlowBackward.apply(x))
+            t0 = time.perf_counter_ns()
+            (penalty,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            grad_ns.append(time.perf_counter_ns() - t0)
+            (out.mean() + penalty.pow(2).mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except StopRun:
+        pass
+    finally:
+        undo()
+    summary = tracker.summary()
+    assert summary.steps.measured == STEPS
+    grad_ms = statistics.mean(grad_ns[WARMUP : WARMUP + STEPS]) / 1e6
+    assert grad_ms >= 3.0
+    backward_ms, other_ms = summary.phases["backward"].mean_ms, summary.phases["other"].mean_ms
+    assert backward_ms >= grad_ms + 3.0, (backward_ms, grad_ms)  # the penalty's pass and the loss's
+    assert other_ms < 1.0, summary.phases  # what the loop body does besides: small tensor ops
+    assert summary.counters["backward_calls"] == pytest.approx(1.0)  # one backward event: the loss's
+    assert summary.verdict.bound == "compute", summary.verdict
+
+
 def test_a_compiled_optimizer_step_gets_no_graph_break_from_stepscope(tmp_path):
     import torch._dynamo
 

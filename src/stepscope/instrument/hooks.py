@@ -203,6 +203,10 @@ def install(tracker: Tracker) -> Callable[[], None]:
         patch(clip_grad, name, make_phase("clip"))
         patch(nn.utils, name, make_phase("clip"))
     patch(torch.amp.GradScaler, "unscale_", make_phase("clip"))
+    # torch.autograd.grad is a backward pass that returns the gradients (a gradient penalty, a physics-informed
+    # net's derivatives, meta-learning's inner step): backward time, left in `other` it read as the host's. Neither
+    # a step's loss nor the gradients the optimizer steps with: a plain phase, not a backward event.
+    patch(torch.autograd, "grad", make_phase("backward"))
 
     def make_zero_grad(original: Any) -> Any:
         timed = make_phase("zero_grad")(original)
