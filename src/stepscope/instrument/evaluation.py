@@ -64,6 +64,7 @@ class EvalDetector:
     # goes on that one (an evaluation over the training loader's next batches is one pass, not one per batch)
     _resumable: bool = False
     _resumes: bool = False  # the open pass goes on the last one
+    _side_ns: int = 0  # when this step's recurring side work last ran a forward
 
     def fetch_begin(self, tracker: Any, loader: int | None, now: int) -> None:
         """A fetch from ``loader`` begins: one from a training loader ends an open pass."""
@@ -93,13 +94,15 @@ class EvalDetector:
             self._end(tracker, now, keep=self._is_pass())
         elif evaluating and self.fresh:
             # While every step has such a stretch it stays in the step, unless it loops over a loader of its own
-            # (a validation pass after the step's recurring side work: the
-            # validation loader's first fetch came before this forward).
-            if not self.recurring or self._aside():
+            # (a validation pass after the step's recurring side work: the validation loader's first fetch came
+            # before this forward), or follows that side work with a training loader's batch of its own (a
+            # validation on the training loader's next batches).
+            if not self.recurring or self._aside() or self._after_side_work():
                 self._begin(tracker, now)
                 self.forwards = 1
                 return True
             self._side_now = True
+            self._side_ns = now
         if not evaluating:
             self._trained()
         return False
@@ -132,6 +135,13 @@ class EvalDetector:
     def _aside(self) -> list[_Fetch]:
         """This step's fetches since its last training event from loaders that do not feed training."""
         return [f for f in self._fetches if f.loader is None or f.loader not in self.training_loaders]
+
+    def _after_side_work(self) -> bool:
+        """This step's recurring side work ran, and a training loader's batch was fetched after it."""
+        training = self.training_loaders
+        return self._side_now and any(
+            f.batch and f.loader in training and f.start_ns > self._side_ns for f in self._fetches
+        )
 
     def _owns(self, fetch: _Fetch, by_fetch: bool) -> bool:
         """Whether a fetch made just before the pass was the pass's: one from a loader aside that the pass fetched
