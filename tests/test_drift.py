@@ -83,7 +83,9 @@ class _SlowBackward(torch.autograd.Function):
 def test_a_gradient_penalty_through_autograd_grad_is_backward_time(tmp_path):
     # WGAN-GP's critic step: torch.autograd.grad for the penalty, then loss.backward(). The penalty's backward pass
     # (3 ms of sleep, timed by hand around the call) is backward time with the loss's (3 ms more); left in `other`
-    # it read as the host's, and a compute-bound critic as host-bound.
+    # it read as the host's, and a compute-bound critic as host-bound. The step whose FLOPs stepscope counts (the
+    # second of the warm-up) must run too: torch's FlopCounterMode hooked every module's inputs, and autograd.grad
+    # on a leaf input then raised inside the script (a torch limitation).
     torch.set_num_threads(1)
     tracker, undo = instrumented(tmp_path)
     model = nn.Linear(8, 1)
@@ -92,7 +94,7 @@ def test_a_gradient_penalty_through_autograd_grad_is_backward_time(tmp_path):
     try:
         for _ in range(WARMUP + STEPS + 1):
             x = torch.randn(4, 8, requires_grad=True)
-            out = model(_SlowBackward.apply(x))
+            out = _SlowBackward.apply(model(x))  # a leaf into the model: the critic's interpolated images
             t0 = time.perf_counter_ns()
             (penalty,) = torch.autograd.grad(out.sum(), x, create_graph=True)
             grad_ns.append(time.perf_counter_ns() - t0)

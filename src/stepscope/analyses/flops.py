@@ -27,11 +27,27 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 def count_flops(step: Callable[[], Any]) -> int:
     """FLOPs of one call of ``step`` (run it with a forward and a backward inside), counted by FlopCounterMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as mode:
+    counter = StepFlopCounter()
+    counter.start()
+    try:
         step()
-    return int(mode.get_total_flops())
+    finally:
+        flops = counter.stop()
+    return flops
+
+
+class _TotalOnly:
+    """FlopCounterMode's module tracker reduced to the total (the only figure read here). torch's own ModuleTracker
+    hooks the gradients of every module's inputs and outputs, and a ``torch.autograd.grad`` on a leaf input (a
+    gradient penalty's) then raises inside the script: a torch limitation that counting must not bring into it."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> _TotalOnly:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class StepFlopCounter:
@@ -42,6 +58,8 @@ class StepFlopCounter:
         from torch.utils.flop_counter import FlopCounterMode
 
         self._mode = FlopCounterMode(display=False)
+        if hasattr(self._mode, "mod_tracker"):  # torch >= 2.4 tracks modules; the total needs none of it
+            self._mode.mod_tracker = _TotalOnly()
         self.flops: int | None = None
 
     def start(self) -> None:
