@@ -303,6 +303,26 @@ def stepscope_here(
         return RunResult(cmd, *cli_here(tmp_path, cmd), json_path)
 
 
+@contextlib.contextmanager
+def hooked(tmp_path: Path, warmup: int, steps: int) -> Iterator[Any]:
+    """``stepscope run``'s hooks and tracker in this process (without the system sampler); yields the tracker. The
+    run's stop after ``steps`` measured steps (StopRun, at the next step's first event) ends the block; the hooks
+    are removed on the way out."""
+    from stepscope.instrument.hooks import install
+    from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
+    from stepscope.scope import enabled_scope
+
+    scope = enabled_scope(warmup=warmup, system_interval_s=None)
+    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=warmup, steps=steps))
+    undo = install(tracker)
+    try:
+        yield tracker
+    except StopRun:
+        pass
+    finally:
+        undo()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from run_helpers import check_consistent, script, stepscope_here, stepscope_run, torchrun
+from run_helpers import check_consistent, hooked, script, stepscope_here, stepscope_run, torchrun
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, Dataset
@@ -87,11 +87,10 @@ def test_a_gradient_penalty_through_autograd_grad_is_backward_time(tmp_path):
     # second of the warm-up) must run too: torch's FlopCounterMode hooked every module's inputs, and autograd.grad
     # on a leaf input then raised inside the script (a torch limitation).
     torch.set_num_threads(1)
-    tracker, undo = instrumented(tmp_path)
-    model = nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     grad_ns: list[int] = []
-    try:
+    with hooked(tmp_path, WARMUP, STEPS) as tracker:
+        model = nn.Linear(8, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         for _ in range(WARMUP + STEPS + 1):
             x = torch.randn(4, 8, requires_grad=True)
             out = _SlowBackward.apply(model(x))  # a leaf into the model: the critic's interpolated images
@@ -101,10 +100,6 @@ def test_a_gradient_penalty_through_autograd_grad_is_backward_time(tmp_path):
             (out.mean() + penalty.pow(2).mean()).backward()
             optimizer.step()
             optimizer.zero_grad()
-    except StopRun:
-        pass
-    finally:
-        undo()
     summary = tracker.summary()
     assert summary.steps.measured == STEPS
     grad_ms = statistics.mean(grad_ns[WARMUP : WARMUP + STEPS]) / 1e6

@@ -19,12 +19,12 @@ import time
 
 import pytest
 import torch
-from run_helpers import AS_USERS_START, run_env, script, stepscope_cmd
+from run_helpers import AS_USERS_START, hooked, run_env, script, stepscope_cmd
 from torch import nn
 
 from stepscope.instrument.hooks import install
 from stepscope.instrument.own_cost import overhead, threads_cpu_between
-from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
+from stepscope.instrument.tracker import RunConfig, Tracker
 from stepscope.report.terminal import print_summary
 from stepscope.scope import enabled_scope
 from stepscope.summary import RunSummary
@@ -69,22 +69,15 @@ WARMUP, STEPS = 2, 10
 
 def _train(tmp_path, during=None) -> RunSummary:
     """10 measured steps of a small model under stepscope's hooks in this process; ``during(i)`` runs in step i."""
-    scope = enabled_scope(warmup=WARMUP, system_interval_s=None)
-    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=WARMUP, steps=STEPS))
-    undo = install(tracker)
-    model = nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
+    with hooked(tmp_path, WARMUP, STEPS) as tracker:
+        model = nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for i in range(WARMUP + STEPS + 1):
             model(torch.randn(4, 8)).sum().backward()
             if during is not None:
                 during(i)
             optimizer.step()
             optimizer.zero_grad()
-    except StopRun:
-        pass
-    finally:
-        undo()
     return tracker.summary()
 
 

@@ -345,7 +345,7 @@ def workers_zero() -> Case:
 @positive(
     "loader.num_workers",
     0.5,  # loaders 0 and 2 together: 0.6 of the step times their 0.5 s of the 0.6 s the steps waited on loaders
-    "loaders 0 (ToyDataset), 2 (ToyDataset) have num_workers=0",
+    "loader 0 (ToyDataset) has num_workers=0, and so does loader 2 (ToyDataset)",
 )
 def workers_zero_on_two_of_three_loaders() -> Case:
     # Seed 2032's c014 of the truth generator (beside busy loops): three loaders, none with workers, waited for

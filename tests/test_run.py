@@ -21,6 +21,7 @@ from run_helpers import (
     SCRIPTS,
     RunResult,
     check_consistent,
+    hooked,
     line_starting,
     run_env,
     script,
@@ -920,10 +921,6 @@ def test_a_batch_of_a_dataclass_of_its_own_gives_samples_per_s(tmp_path):
 
     from torch.utils.data import DataLoader, TensorDataset
 
-    from stepscope.instrument.hooks import install
-    from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
-    from stepscope.scope import enabled_scope
-
     @dataclasses.dataclass
     class Batch:
         name: str
@@ -933,22 +930,15 @@ def test_a_batch_of_a_dataclass_of_its_own_gives_samples_per_s(tmp_path):
     def collate(rows):
         return Batch("train", torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
 
-    warmup, steps = 2, 8
-    scope = enabled_scope(warmup=warmup, system_interval_s=None)
-    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=warmup, steps=steps))
-    undo = install(tracker)
-    loader = DataLoader(TensorDataset(torch.randn(96, 8), torch.randn(96, 4)), batch_size=6, collate_fn=collate)
-    model = torch.nn.Linear(8, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    try:
+    steps = 8
+    with hooked(tmp_path, warmup=2, steps=steps) as tracker:
+        loader = DataLoader(TensorDataset(torch.randn(96, 8), torch.randn(96, 4)), batch_size=6, collate_fn=collate)
+        model = torch.nn.Linear(8, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         for batch in loader:
             torch.nn.functional.mse_loss(model(batch.images), batch.labels).backward()
             optimizer.step()
             optimizer.zero_grad()
-    except StopRun:
-        pass
-    finally:
-        undo()
     s = tracker.summary()
     assert s.steps.measured == steps
     assert s.throughput.samples_per_s == pytest.approx(6 * s.throughput.steps_per_s, rel=1e-6), s.throughput

@@ -151,8 +151,9 @@ def _passes(summary: RunSummary) -> Iterable[str]:
 
 def _loader_named(summary: RunSummary) -> Iterable[str]:
     """A loader fix names the loader the figures point at: of the loaders like it (with workers, or without), the
-    one the training steps waited on most (fetches inside validation passes left out). A merged job's fix whose
-    evidence says "rank R: loader N" is checked against rank R's own loaders."""
+    one the training steps waited on most (fetches inside validation passes left out). A line may name others after
+    it (every loader without workers, which the fix gives workers to); the first it names is the one checked. A
+    merged job's fix whose evidence says "rank R: loader N" is checked against rank R's own loaders."""
     by_rank = {r.meta.rank: r.loaders for r in summary.ranks}
     for fix in summary.fixes:
         if not fix.id.startswith("loader."):
@@ -160,10 +161,13 @@ def _loader_named(summary: RunSummary) -> Iterable[str]:
         for line in fix.evidence:
             rank = _RANK.match(line)
             loaders = by_rank.get(int(rank.group(1)), summary.loaders) if rank else summary.loaders
-            for index in (int(n) for n in _LOADER.findall(line)):
-                wrong = _not_the_busiest(loaders, index)
-                if wrong:
-                    yield f"fix {fix.id} names loader {index}, but the steps waited on another one more ({wrong})"
+            first = _LOADER.search(line)
+            if first is None:
+                continue
+            index = int(first.group(1))
+            wrong = _not_the_busiest(loaders, index)
+            if wrong:
+                yield f"fix {fix.id} names loader {index}, but the steps waited on another one more ({wrong})"
 
 
 def _not_the_busiest(loaders: list[LoaderInfo], index: int) -> str | None:

@@ -280,17 +280,16 @@ def _loader_workers(case: Case) -> Finding | None:
             f"DataLoader(..., num_workers={workers}, persistent_workers=True) "
             f"({cores:g} usable cores, {local} rank(s) on this machine)"
         )
-    if len(idle) > 1:
-        named = ", ".join(f"{x.index} ({x.dataset})" for x in idle)
-        said, whose = f"loaders {named} have num_workers=0", " on them"
-    else:
-        said = f"loader {loader.index} ({loader.dataset}) has num_workers=0"
-        whose = "" if len(shares) == 1 else f" on loader {loader.index}"
-    evidence = [
-        said,
-        f"data_wait{whose} is {pct(data)} of the step ({data * case.ms(TOTAL):.1f} ms of {case.ms(TOTAL):.1f} ms)",
-        *_at(case.lines("num_workers_zero")),
-    ]
+    # the loader waited for most first: the one to fix if only one is
+    said = f"loader {loader.index} ({loader.dataset}) has num_workers=0"
+    others = [f"loader {x.index} ({x.dataset})" for x in idle if x is not loader]
+    if others:
+        said += f", and so {'does' if len(others) == 1 else 'do'} {', '.join(others)}"
+    whose = "" if len(shares) == 1 else " on them" if others else f" on loader {loader.index}"
+    waited = f"data_wait{whose} is {pct(data)} of the step ({data * case.ms(TOTAL):.1f} ms of {case.ms(TOTAL):.1f} ms)"
+    if others:
+        waited += f", {pct(shares[loader.index])} on loader {loader.index}"
+    evidence = [said, waited, *_at(case.lines("num_workers_zero"))]
     apply = None if workers is None else _workers_apply(loader, workers, swept)
     return Finding(evidence, data, "at most the time spent waiting for data", how=hint, apply=apply)
 
