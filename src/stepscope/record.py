@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -439,11 +439,12 @@ class Recorder:
         """Fold buffered steps into the statistics (vectorised per phase)."""
         records, self._unfolded = self._unfolded, []
         if records:
-            step_s = np.array([r.step_ns for r in records], dtype=np.float64) / 1e9
-            self.step_stats.extend(step_s)
-            for phase, values in _columns([r.phases_ns for r in records], self.phases).items():
+            # attrgetter and map: the loops over the records in C (a comprehension's frame costs more per record)
+            step_ns = np.fromiter(map(attrgetter("step_ns"), records), dtype=np.float64, count=len(records))
+            self.step_stats.extend(step_ns / 1e9)
+            for phase, values in _columns(list(map(attrgetter("phases_ns"), records)), self.phases).items():
                 self._track(phase).host.extend(np.array(values, dtype=np.float64) / 1e9)
-            samples = [r.samples for r in records if r.samples is not None]
+            samples = [n for n in map(attrgetter("samples"), records) if n is not None]
             self.samples += sum(samples)
             self.sampled_steps += len(samples)
         device_steps, self._unfolded_device = self._unfolded_device, []
