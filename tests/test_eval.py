@@ -4,8 +4,11 @@ truth: the model's forward sleeps a known time)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from run_helpers import script, stepscope_here
+import torch
+from run_helpers import hooked, script, stepscope_here
 
 from stepscope import Scope
 
@@ -168,6 +171,43 @@ def test_run_keeps_validation_passes_out_of_the_training_step(tmp_path, where, t
     assert 0.25 <= passes["share_of_wall"] <= 0.7, passes  # 4 × 10 forwards against 40 × 1–1.5 forwards
     assert summary.verdict.bound == "compute", r.describe()
     assert "eval: 4 validation pass(es) between steps" in r.stdout, r.stdout
+
+
+def test_a_short_validation_between_steps_that_fetch_nothing_is_kept_apart(tmp_path):
+    # Training on batches already in memory (no fetch: `itertools.cycle`'s replays, a tensor dataset indexed by
+    # hand) and every 10 steps 2 forwards without gradients: too few to be a loop, and no training fetch ends them.
+    # Nothing was fetched since the step's training work, so they are no side work on the step's batch: kept apart
+    # tentatively, they are passes since the next step has none. They stayed in the step: every tenth step 2
+    # forwards longer (the truth generator's c045 and c064).
+    class Slow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.004)
+            return self.linear(x)
+
+    batches = [torch.randn(4, 8) for _ in range(5)]
+    with hooked(tmp_path, warmup=3, steps=40) as tracker:
+        model = Slow()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(1000):
+            model(batches[step % 5]).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 10 == 9:
+                model.eval()
+                with torch.no_grad():
+                    for x in batches[:2]:
+                        model(x)
+                model.train()
+    summary = tracker.summary()
+    passes = summary.eval
+    assert passes["passes"] == 4 and passes["forwards_per_pass"] == pytest.approx(2.0), passes
+    assert summary.counters["forward_calls"] == pytest.approx(1.0)
+    forward = summary.phases["forward"]
+    assert forward.mean_ms <= 1.1 * forward.median_ms, summary.phases
 
 
 # -- work that recurs every step is step work -----------------------------------------------------------------------

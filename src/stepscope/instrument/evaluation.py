@@ -8,8 +8,9 @@ window: phases go to the pass, and its wall time leaves the step) until training
 Training resumes at a fetch from a *training* loader (one whose batches fed a backward), or at a training
 forward, backward or optimizer step. In the second case the stretch may have been part of the step after all: a
 frozen teacher's forward before the student's, a model kept in ``eval()`` while fine-tuning. It is kept apart
-only when it fetched batches between its forwards (a validation loop over a loader) or ran at least
-``MIN_PASS_FORWARDS`` forwards; otherwise its time goes back into the step. The validation loader's fetches
+only when it fetched batches between its forwards (a validation loop over a loader), ran at least
+``MIN_PASS_FORWARDS`` forwards, or ran on nothing fetched since the step's training work (tensors in memory);
+otherwise its time goes back into the step. The validation loader's fetches
 just before the first forward (``iter(val_loader)`` and its first batch) belong to the pass and move into it when
 it fetches from that loader again. So does a batch of a training loader fetched just before the first forward when
 the pass ends at the next fetch from a training loader: an evaluation on the training loader's next batches, which
@@ -91,7 +92,7 @@ class EvalDetector:
             if evaluating:
                 self.forwards += 1
                 return True
-            self._end(tracker, now, keep=self._is_pass())
+            self._end(tracker, now, keep=self._kept())
         elif evaluating and self.fresh:
             # While every step has such a stretch it stays in the step, unless it loops over a loader of its own
             # (a validation pass after the step's recurring side work: the validation loader's first fetch came
@@ -110,7 +111,7 @@ class EvalDetector:
     def training(self, tracker: Any, now: int) -> None:
         """A backward or an optimizer step begins: training work."""
         if self.open:
-            self._end(tracker, now, keep=self._is_pass())
+            self._end(tracker, now, keep=self._kept())
         self._trained()
 
     def step_closed(self, tracker: Any) -> None:
@@ -152,6 +153,13 @@ class EvalDetector:
 
     def _is_pass(self) -> bool:
         return self.fetched or self.forwards >= MIN_PASS_FORWARDS
+
+    def _kept(self) -> bool:
+        """Whether a stretch that training work ended is kept apart (tentatively, as every pass is): it looped over
+        a loader or ran ``MIN_PASS_FORWARDS`` forwards; or no batch was fetched since the step's last training work
+        (tensors in memory, batches ``itertools.cycle`` replays), so it is no side work on the step's own batch: a
+        validation every N steps, or work that recurs every step, which the next step tells apart."""
+        return self._is_pass() or not any(f.batch for f in self._before)
 
     def _begin(self, tracker: Any, now: int) -> None:
         # `for x in val_loader` fetches before its first forward: those fetches join the pass at its end if it
