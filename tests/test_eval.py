@@ -205,9 +205,7 @@ def test_a_short_validation_between_steps_that_fetch_nothing_is_kept_apart(tmp_p
     summary = tracker.summary()
     passes = summary.eval
     assert passes["passes"] == 4 and passes["forwards_per_pass"] == pytest.approx(2.0), passes
-    assert summary.counters["forward_calls"] == pytest.approx(1.0)
-    forward = summary.phases["forward"]
-    assert forward.mean_ms <= 1.1 * forward.median_ms, summary.phases
+    assert summary.counters["forward_calls"] == pytest.approx(1.0)  # 1.2 while every tenth step held three
 
 
 # -- work that recurs every step is step work -----------------------------------------------------------------------
