@@ -342,11 +342,16 @@ def test_ceiling_of_a_dataset_of_known_cost():
     # A busy-wait cannot finish early, so the measurement cannot beat the true rate: the 1.05 upper bound only
     # absorbs timer granularity. On a loaded machine the process is preempted between busy-waits, so the lower
     # bound is set against the rate of reading the same dataset directly, measured just before and after
-    # (same-run calibration): the loader adds only collation and its own loop (a few %).
+    # (same-run calibration): the loader adds only collation and its own loop (a few %). Beside busy loops the load
+    # can change between the reference and the measurement (a 1.2 s window, against two of 0.25 s): up to three
+    # tries, each against its own reference; a ceiling that is wrong is wrong in all three.
     dataset = BusyDataset(16 * 40, sample_ms=1.0)
-    before = _direct_rate(dataset, 160)
-    result = measure_loader(DataLoader(dataset, batch_size=16), batches=30, warmup=2)
-    reference = (before + _direct_rate(dataset, 160)) / 2
+    for _ in range(3):
+        before = _direct_rate(dataset, 160)
+        result = measure_loader(DataLoader(dataset, batch_size=16), batches=30, warmup=2)
+        reference = (before + _direct_rate(dataset, 160)) / 2
+        if 0.7 * reference <= result.samples_per_s:
+            break
     assert result.batches == 30
     assert 0.7 * reference <= result.samples_per_s <= 1.05 * 1000, (result, reference)
     assert result.batches_per_s == pytest.approx(result.samples_per_s / 16)
