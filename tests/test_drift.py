@@ -19,18 +19,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, Dataset
 
-from stepscope.instrument.hooks import install
-from stepscope.instrument.tracker import RunConfig, StopRun, Tracker
-from stepscope.scope import enabled_scope
-
 WARMUP, STEPS = 3, 20
-
-
-def instrumented(tmp_path, warmup: int = WARMUP, steps: int = STEPS) -> tuple[Tracker, object]:
-    """A tracker with torch hooked in this process, as ``stepscope run`` sets one up; returns it and the undo."""
-    scope = enabled_scope(warmup=warmup, system_interval_s=None)
-    tracker = Tracker(scope, RunConfig(out_dir=str(tmp_path), warmup=warmup, steps=steps))
-    return tracker, install(tracker)
 
 
 # -- optimizer: what a timer around opt.step() reads ------------------------------------------------------------
@@ -40,22 +29,22 @@ def test_optimizer_time_is_what_a_timer_around_the_step_reads(tmp_path):
     # Many small parameters (torch's wrapper and per-parameter work), and a global step post-hook registered by the
     # script after stepscope's hooks (an EMA update, say) that takes a known 2 ms: all of it is inside opt.step().
     torch.set_num_threads(1)
-    tracker, undo = instrumented(tmp_path)
     hand_ns: list[int] = []
+    ema = None
     try:
-        params = [nn.Parameter(torch.randn(4)) for _ in range(300)]
-        optimizer = torch.optim.Adam(params, lr=1e-3, foreach=False)
-        ema = register_optimizer_step_post_hook(lambda *_: time.sleep(0.002))
-        for _ in range(WARMUP + STEPS + 1):
-            for p in params:
-                p.grad = torch.ones(4)
-            t0 = time.perf_counter_ns()
-            optimizer.step()
-            hand_ns.append(time.perf_counter_ns() - t0)
-    except StopRun:
-        ema.remove()  # the step after the last measured one stops the run, before it begins
+        with hooked(tmp_path, WARMUP, STEPS) as tracker:
+            params = [nn.Parameter(torch.randn(4)) for _ in range(300)]
+            optimizer = torch.optim.Adam(params, lr=1e-3, foreach=False)
+            ema = register_optimizer_step_post_hook(lambda *_: time.sleep(0.002))
+            for _ in range(WARMUP + STEPS + 1):
+                for p in params:
+                    p.grad = torch.ones(4)
+                t0 = time.perf_counter_ns()
+                optimizer.step()
+                hand_ns.append(time.perf_counter_ns() - t0)
     finally:
-        undo()
+        if ema is not None:
+            ema.remove()  # a global hook: no later test's optimizer may run it
     summary = tracker.summary()
     assert summary.steps.measured == STEPS
     hand_ms = statistics.mean(hand_ns[WARMUP : WARMUP + STEPS]) / 1e6
@@ -116,23 +105,20 @@ def test_a_compiled_optimizer_step_gets_no_graph_break_from_stepscope(tmp_path):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    tracker, undo = instrumented(tmp_path, warmup=2, steps=4)
     try:
-        model = nn.Linear(8, 4)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with hooked(tmp_path, warmup=2, steps=4) as tracker:
+            model = nn.Linear(8, 4)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-        @torch.compile(backend="eager")  # dynamo's tracing is what could break; no code generation needed
-        def optimizer_step() -> None:
-            optimizer.step()
+            @torch.compile(backend="eager")  # dynamo's tracing is what could break; no code generation needed
+            def optimizer_step() -> None:
+                optimizer.step()
 
-        for _ in range(10):
-            optimizer.zero_grad()
-            model(torch.randn(2, 8)).sum().backward()
-            optimizer_step()
-    except StopRun:
-        pass
+            for _ in range(10):
+                optimizer.zero_grad()
+                model(torch.randn(2, 8)).sum().backward()
+                optimizer_step()
     finally:
-        undo()
         breaks = dict(torch._dynamo.utils.counters["graph_break"])
         torch._dynamo.reset()
     summary = tracker.summary()
