@@ -69,7 +69,7 @@ class EvalDetector:
 
     def fetch_begin(self, tracker: Any, loader: int | None, now: int) -> None:
         """A fetch from ``loader`` begins: one from a training loader ends an open pass."""
-        if self.open and loader is not None and loader in self.training_loaders:
+        if self.open and self._trains(loader):
             self._end(tracker, now, keep=True, by_fetch=True)
 
     def fetch_end(self, loader: int | None, start_ns: int, end_ns: int, samples: int, batch: bool) -> bool:
@@ -133,21 +133,25 @@ class EvalDetector:
         self.training_loaders |= self._step_loaders
         self._fetches.clear()
 
+    def _trains(self, loader: int | None) -> bool:
+        """Whether ``loader`` is a training loader: its batches fed a backward (None, a source that is no loader's,
+        never is)."""
+        return loader is not None and loader in self.training_loaders
+
     def _aside(self) -> list[_Fetch]:
         """This step's fetches since its last training event from loaders that do not feed training."""
-        return [f for f in self._fetches if f.loader is None or f.loader not in self.training_loaders]
+        return [f for f in self._fetches if not self._trains(f.loader)]
 
     def _after_side_work(self) -> bool:
         """This step's recurring side work ran, and a training loader's batch was fetched after it."""
-        training = self.training_loaders
         return self._side_now and any(
-            f.batch and f.loader in training and f.start_ns > self._side_ns for f in self._fetches
+            f.batch and self._trains(f.loader) and f.start_ns > self._side_ns for f in self._fetches
         )
 
     def _owns(self, fetch: _Fetch, by_fetch: bool) -> bool:
         """Whether a fetch made just before the pass was the pass's: one from a loader aside that the pass fetched
         from again, or a training loader's batch that no training work used before the next training fetch."""
-        if fetch.loader is not None and fetch.loader in self.training_loaders:
+        if self._trains(fetch.loader):
             return by_fetch and fetch.batch
         return fetch.loader in self._pass_loaders
 
@@ -185,7 +189,7 @@ class EvalDetector:
             self.samples += samples
             tracker.take_from_step(batches, samples)
             # the pass's loaders, not training's
-            self._step_loaders -= {f.loader for f in moved if f.loader not in self.training_loaders}
+            self._step_loaders -= {f.loader for f in moved if not self._trains(f.loader)}
         tracker.scope._end_eval(
             now,
             keep=keep,
