@@ -358,6 +358,43 @@ def workers_zero_on_two_of_three_loaders() -> Case:
     return Case(make_summary(DATA_BOUND, loaders=loaders, facts={"threads": threads_fact(cores=8)}))
 
 
+@positive(
+    "loader.num_workers",
+    0.588,  # loaders 0 and 1 (0.6 s and 0.38 s of the 1 s waited); loader 2's 0.02 s (1.2% of the step) is left out
+    "loader 0 (ToyDataset) has num_workers=0, and so does loader 1 (ToyDataset)",
+)
+def workers_zero_beside_a_loader_barely_waited_for() -> Case:
+    # Seed 2035's c046: a validation loader whose first batch is fetched inside a step waited 1% of it, and was
+    # named beside the training loaders. A loader under MIN_GAIN of the step is noise in the bound and the advice.
+    loaders = [loader(num_workers=0, index=i) for i in range(3)]
+    for x, fetch_s in zip(loaders, (0.6, 0.38, 0.02), strict=True):
+        x.fetch_s = fetch_s
+    return Case(make_summary(DATA_BOUND, loaders=loaders, facts={"threads": threads_fact(cores=8)}))
+
+
+def idle_workers_of_another_loader(workers_cpu_pct: float) -> Case:
+    """Two ranks on 2 cores, each with a loader without workers that computes and one whose single worker uses
+    ``workers_cpu_pct`` of a core (seed 2035's c046, seed 2036's c019: a free loader's worker, 5% of a core)."""
+    loaders = [loader(num_workers=0, index=0), loader(num_workers=1, index=1)]
+    loaders[0].fetch_s, loaders[1].fetch_s = 0.9, 0.1
+    facts = {"threads": threads_fact(cores=2, local_ranks=2)}
+    summary = make_summary(DATA_BOUND, loaders=loaders, facts=facts)
+    summary.system["host"] = {"workers_cpu_util_pct": workers_cpu_pct, "workers_max": 1, "cpu_util_pct": 70.0}
+    return Case(summary)
+
+
+@positive("loader.num_workers", 0.54, "loader 0 (ToyDataset) has num_workers=0")
+def workers_zero_beside_idle_workers() -> Case:
+    # Counted, the two ranks' idle workers filled both cores and no loader fix was found on the rank the job waited
+    # for; measured, they hold none.
+    return idle_workers_of_another_loader(5.0)
+
+
+@negative("loader.num_workers")
+def workers_zero_beside_busy_workers() -> Case:
+    return idle_workers_of_another_loader(95.0)
+
+
 # The doctor's loader ceiling: loader 0 alone delivers 1.05x what training consumed.
 SLOW_ALONE = {
     "index": 0,

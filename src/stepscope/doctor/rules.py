@@ -154,6 +154,15 @@ class Case:
         """Loader worker processes per rank: the most of any loader iterated (one loads at a time)."""
         return max((x.num_workers for x in self.summary.loaders if x.batches > 0), default=0)
 
+    def worker_cores(self) -> float:
+        """Cores this rank's loader workers use: their sampled CPU (time run and time runnable waiting for a CPU),
+        else a core each when not sampled. Idle workers (a loader whose items cost nothing) use next to none."""
+        host = self.summary.system.get("host", {})
+        used = host.get("workers_cpu_util_pct")
+        if used is None:
+            return float(self.loader_workers())
+        return (used + (host.get("run_delay_workers_pct") or 0.0)) / 100
+
     def busy_workers(self) -> int:
         """Loader workers that used CPU, on average over the samples (rounded up: each is a core while it loads);
         0 when the workers' CPU was not sampled, so that an unmeasured worker never counts against the cores."""
@@ -246,7 +255,9 @@ def _loader_workers(case: Case) -> Finding | None:
         return None  # no loader waited for long enough to be worth the workers (tiny batches: their hand-over)
     # Once one is, the advice (and `--apply`, which sets the count on every DataLoader) gives each loader without
     # workers its own: the bound is their waits together, the data share the verdict weighs
-    idle = [x for x in helped if x.num_workers == 0]
+    # (a loader barely waited for, such as a validation loader whose first batch is fetched inside a step, is left
+    # out: its share is noise beside the rest)
+    idle = [x for x in helped if x.num_workers == 0 and (x is loader or shares[x.index] >= MIN_GAIN)]
     data = sum(shares[x.index] for x in idle)
     cores, local = case.cores(), case.local_ranks()
     waits = _fetch_waits(case)
@@ -346,7 +357,8 @@ def _more_workers_help(case: Case, loader: LoaderInfo) -> bool:
     with workers, only when it was measured too slow for the step (``_cannot_keep_up``)."""
     cores, local = case.cores(), case.local_ranks()
     if loader.num_workers == 0:
-        return _fetch_waits(case) or not cores or case.loader_workers() * local < cores
+        # the ranks' workers hold a core each that they keep busy for more than a quarter of the time
+        return _fetch_waits(case) or not cores or math.ceil(case.worker_cores() * local - 0.25) < cores
     if not _cannot_keep_up(case, loader):
         return False  # a wait beside workers may be each batch's hand-over (a busy machine stretches it)
     if _workers_wait(case):
