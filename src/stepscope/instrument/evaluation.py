@@ -14,7 +14,8 @@ otherwise its time goes back into the step. The validation loader's fetches
 just before the first forward (``iter(val_loader)`` and its first batch) belong to the pass and move into it when
 it fetches from that loader again. So does a batch of a training loader fetched just before the first forward when
 the pass ends at the next fetch from a training loader: an evaluation on the training loader's next batches, which
-no training work used (counted as the step's, they overstated samples/s by the share of batches evaluated).
+no training work used (counted as the step's, they overstated samples/s by the share of batches evaluated), with the
+epoch restart that fetching it began with (the exhausted iterator's end and ``iter(loader)``, which starts workers).
 
 Validation recurs now and then; work that recurs in every step is step work, whatever its grad mode: a reference
 model's or teacher's forward, metrics, an EMA update, test-time augmentation. So a kept stretch is only
@@ -155,6 +156,23 @@ class EvalDetector:
             return by_fetch and fetch.batch
         return fetch.loader in self._pass_loaders
 
+    def _owned(self, by_fetch: bool) -> list[_Fetch]:
+        """The fetches made just before the pass that were the pass's (``_owns``), with what fetching an owned
+        training batch took before it: the end of the loader's exhausted iterator and ``iter(loader)``, where an
+        epoch restart starts its workers (left in the step, they held most of the batch's wait)."""
+        owned: list[_Fetch] = []
+        batch_of: set[int | None] = set()  # loaders whose owned batch came later
+        for fetch in reversed(self._before):
+            if self._owns(fetch, by_fetch):
+                owned.append(fetch)
+                if fetch.batch:
+                    batch_of.add(fetch.loader)
+            elif not fetch.batch and fetch.loader in batch_of:
+                owned.append(fetch)
+            else:
+                batch_of.discard(fetch.loader)  # a batch the step kept: what came before it was its fetch
+        return owned[::-1]
+
     def _is_pass(self) -> bool:
         return self.fetched or self.forwards >= MIN_PASS_FORWARDS
 
@@ -182,7 +200,7 @@ class EvalDetector:
 
     def _end(self, tracker: Any, now: int, keep: bool, by_fetch: bool = False) -> None:
         """The open pass ends at ``now``: at a fetch from a training loader (``by_fetch``), or at training work."""
-        moved = [f for f in self._before if self._owns(f, by_fetch)] if keep else []
+        moved = self._owned(by_fetch) if keep else []
         if moved:
             batches, samples = sum(f.batch for f in moved), sum(f.samples for f in moved)
             self.batches += batches
