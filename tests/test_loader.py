@@ -288,7 +288,7 @@ def test_a_dataclass_batch_is_counted_and_copied_whole(clock):
         count: int = dataclasses.field(default=0, init=False)
 
     batch = Batch("a", torch.zeros(6, 3), torch.ones(6))
-    assert [t.shape[0] for t in batch_tensors(batch)] == [6, 6] and batch_samples(batch_tensors(batch)) == 6
+    assert [t.shape[0] for t in batch_tensors(batch)] == [6, 6] and batch_samples(batch) == 6
     assert batch_tensors({"batch": batch, "names": ["x"]}) == batch_tensors(batch)  # nested as well
     moved = loader_mod._to_device(batch, "cpu", non_blocking=False)
     assert type(moved) is Batch and moved.source == "a" and torch.equal(moved.images, batch.images)
@@ -301,6 +301,53 @@ def test_a_dataclass_batch_is_counted_and_copied_whole(clock):
 
     result = measure_loader(Batches(), batches=4, warmup=2, clock=clock)
     assert result.samples_per_s == pytest.approx(8 * 4 / 0.004)
+
+
+def _detection_batch(images: int) -> tuple[tuple[torch.Tensor, ...], tuple[dict[str, torch.Tensor], ...]]:
+    """Images of different sizes and a target dict each, as ``collate_fn=lambda b: tuple(zip(*b))`` makes them."""
+    pictures = tuple(torch.zeros(3, 32 + 8 * i, 40) for i in range(images))
+    targets = tuple({"boxes": torch.zeros(1 + i % 3, 4), "labels": torch.zeros(1 + i % 3)} for i in range(images))
+    return pictures, targets
+
+
+def test_the_samples_of_a_batch_are_what_its_fields_agree_on():
+    from stepscope.analyses.batches import batch_samples
+
+    x1, x2, labels = torch.zeros(5, 4), torch.zeros(5, 7), torch.zeros(5)
+    # Detection: the images' first dimension is their 3 channels; the 8 images and 8 target dicts agree on 8.
+    assert batch_samples(_detection_batch(8)) == 8
+    assert batch_samples(((x1, x2), labels)) == 5  # a model's two inputs side by side, and their labels
+    assert batch_samples(([torch.zeros(20 + i) for i in range(16)], torch.zeros(16))) == 16  # unpadded sequences
+    assert batch_samples({"input_ids": torch.zeros(4, 9), "attention_mask": torch.zeros(4, 9)}) == 4
+    assert batch_samples((torch.zeros(6, 3), ["a"] * 6)) == 6  # file names beside the images
+    assert batch_samples({"ids": [1, 2, 3]}) == 0  # plain values tell nothing
+    assert batch_samples((torch.zeros(8, 3, 2, 2), {"boxes": torch.zeros(8, 4), "labels": torch.zeros(8)})) == 8
+    assert [batch_samples(b) for b in ((), {}, None, "text", torch.tensor(3.0))] == [0] * 5
+
+
+def test_run_counts_the_images_of_detection_batches_as_its_samples(tmp_path):
+    # The batch's first tensor is an image: its 3 channels were the step's samples, and samples/s read 3/8 of the
+    # script's (torchvision's detection references load this way).
+    from run_helpers import hooked
+
+    class Images(Dataset):
+        def __len__(self) -> int:
+            return 10_000
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            pictures, targets = _detection_batch(1 + i % 4)
+            return pictures[-1], targets[-1]
+
+    loader = DataLoader(Images(), batch_size=8, collate_fn=lambda b: tuple(zip(*b, strict=True)))
+    model = torch.nn.Conv2d(3, 4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hooked(tmp_path, warmup=3, steps=20) as tracker:
+        for images, _targets in loader:
+            sum(model(image[None]).mean() for image in images).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    throughput = tracker.summary().throughput
+    assert throughput.samples_per_s == pytest.approx(8 * throughput.steps_per_s, rel=1e-6)
 
 
 def test_pinned_loader_copies_non_blocking(monkeypatch):

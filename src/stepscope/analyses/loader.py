@@ -183,9 +183,9 @@ def settings_of(loader: Any) -> LoaderSettings | None:
 
 
 def _batch_samples(batch: Any) -> int | None:
-    from stepscope.analyses.batches import batch_samples, batch_tensors
+    from stepscope.analyses.batches import batch_samples
 
-    return batch_samples(batch_tensors(batch)) or None
+    return batch_samples(batch) or None
 
 
 def _to_device(batch: Any, device: Any, non_blocking: bool) -> Any:

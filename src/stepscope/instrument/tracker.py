@@ -399,10 +399,9 @@ class Tracker:
         state = None if iterator is None else self._iterators.get(iterator)
         samples = 0
         if batch is not None:
-            tensors = batch_tensors(batch)
             if self.watch_copies:
-                self.batch_ids = frozenset(map(id, tensors))
-            samples = batch_samples(tensors)
+                self.batch_ids = frozenset(map(id, batch_tensors(batch)))
+            samples = batch_samples(batch)
         in_pass = self.evals.fetch_end(self._fetch_loader, t0, now, samples, batch is not None)
         if not in_pass and batch is not None:
             self._step_samples += samples  # a validation pass's batches are not the step's
@@ -459,7 +458,7 @@ class Tracker:
             self.fail(error)
 
     def _count_elsewhere(self, iterator: Any, batch: Any, t0: int) -> None:
-        samples = 0 if batch is None else batch_samples(batch_tensors(batch))
+        samples = 0 if batch is None else batch_samples(batch)
         self._elsewhere_samples += samples
         state = self._iterators.get(iterator)
         if state is not None:

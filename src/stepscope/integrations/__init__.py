@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+from stepscope.analyses.batches import batch_samples  # noqa: F401 (the callbacks' samples; tests patch it there)
 from stepscope.clock import now_ns
 from stepscope.scope import enabled_scope, env_enabled
 from stepscope.sinks.base import Sink
@@ -114,14 +115,6 @@ class Session:
         if failure:
             summary.notes.append(f"the callback stopped measuring after an internal error: {failure}")
         return summary
-
-
-def batch_samples(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor (0 when it holds none)."""
-    from stepscope.analyses.batches import batch_samples as first_dim
-    from stepscope.analyses.batches import batch_tensors
-
-    return first_dim(batch_tensors(batch))
 
 
 def report(summary: RunSummary, json_path: str | Path | None, print_table: bool, rank: int, is_main: bool) -> None:
