@@ -214,6 +214,7 @@ class LoaderInfo:
     fetch_s: float = 0.0
     eval_batches: int = 0  # of ``batches``, fetched inside validation passes
     eval_fetch_s: float = 0.0  # of ``fetch_s``, inside validation passes
+    tensors_per_batch: int = 0  # tensors in its first batch (up to 64): each crosses from a worker process apart
 
     @property
     def step_fetch_s(self) -> float:

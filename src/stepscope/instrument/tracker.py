@@ -407,6 +407,8 @@ class Tracker:
             self._step_samples += samples  # a validation pass's batches are not the step's
             self._count("batches")
         if state is not None:
+            if batch is not None and not state.info.tensors_per_batch:
+                state.info.tensors_per_batch = len(batch_tensors(batch))
             self._count_fetch(state, t0, now, samples, batch is not None, exhausted, in_pass)
 
     def _count_fetch(
@@ -462,6 +464,8 @@ class Tracker:
         self._elsewhere_samples += samples
         state = self._iterators.get(iterator)
         if state is not None:
+            if batch is not None and not state.info.tensors_per_batch:
+                state.info.tensors_per_batch = len(batch_tensors(batch))
             self._count_fetch(state, t0, self._clock(), samples, batch is not None, batch is None, in_pass=False)
 
     @_guarded
