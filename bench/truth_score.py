@@ -31,7 +31,9 @@ GROUPS = {
 }
 STEP_PHASES = ("data_wait", "forward", "backward", "optimizer", "zero_grad")  # the spans the script times
 # Fixes aimed at each kind of cause (the module docstring of bench/truth.py says why).
-LOADER_FIXES = frozenset({"loader.num_workers", "loader.io_bound", "loader.transform_bound", "loader.prefetch"})
+LOADER_FIXES = frozenset(
+    {"loader.num_workers", "loader.io_bound", "loader.transform_bound", "loader.prefetch", "loader.batched_tensors"}
+)
 AIMED: dict[str, frozenset[str]] = {
     "data": LOADER_FIXES,
     "oversubscribed": frozenset({"loader.too_many_workers", "host.threads", "loader.transform_bound"}),
@@ -345,8 +347,9 @@ def expect(spec: CaseSpec, own: list[OwnFigures], script_line: dict[str, int | N
         straggler = (s.rank, "other" if s.phase in ("checkpoint", "log") else s.phase)
     # The loader a fix must name is the injected cause's: of the loaders given a cost (and loader 0, which carries
     # a data straggler's), the one the script waited on most. A free loader's wait is its workers' hand-over,
-    # which a loaded machine stretches: not an injected cost.
-    injected = {ld.name for ld in spec.loaders if ld.cost}
+    # which a loaded machine stretches: not an injected cost, except where each batch is per-sample tensors, whose
+    # hand-over from a worker is a cost of the batch's form (several ms a batch).
+    injected = {ld.name for ld in spec.loaders if ld.cost or (spec.batch_form == "samples" and ld.workers)}
     if s is not None and s.phase == "data_wait" and spec.loaders:
         injected.add(spec.loaders[0].name)
     waits = {

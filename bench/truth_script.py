@@ -92,6 +92,15 @@ def spend(key, ms, busy=False):
     TRUTH.inject(key, clock() - start)
 
 
+def unpack(batch):
+    """A batch's inputs and targets, in whatever form its loader gave them."""
+    if isinstance(batch, dict):
+        return batch["inputs"], batch["targets"]
+    if isinstance(batch[0], tuple):  # per-sample items
+        return torch.stack(batch[0]), torch.stack([t["target"] for t in batch[1]])
+    return batch
+
+
 def fetch(it, name):
     """One batch from a training loader, timed."""
     start = clock()
@@ -133,14 +142,18 @@ class Stream(IterableDataset):
 
 
 class SlowCollate:
-    """A collate_fn that costs batch_ms per batch."""
+    """A collate_fn that costs batch_ms per batch, and gives it in ``form`` (see ``unpack``)."""
 
-    def __init__(self, batch_ms, busy=False):
-        self.batch_ms, self.busy = batch_ms, busy
+    def __init__(self, batch_ms, busy=False, form="tuple"):
+        self.batch_ms, self.busy, self.form = batch_ms, busy, form
 
     def __call__(self, batch):
         spend("data_wait", self.batch_ms, self.busy)
-        return default_collate(batch)
+        if self.form == "samples":
+            inputs, targets = zip(*batch)
+            return inputs, tuple({{"target": y}} for y in targets)
+        x, y = default_collate(batch)
+        return {{"inputs": x, "targets": y}} if self.form == "dict" else (x, y)
 '''
 
 FOOTER = """
@@ -317,7 +330,9 @@ def _loader_line(spec: CaseSpec, i: int, ld: LoaderSpec) -> str:
     dataset = f"{ld.name}({sample}, {busy})" if ld.iterable else f"{ld.name}({length}, {sample}, {busy})"
     args = [dataset, f"batch_size={ld.batch}", f"num_workers={ld.workers}"]
     if ld.where == "collate":
-        args.append(f"collate_fn=SlowCollate({per_batch}, {busy})")
+        args.append(f"collate_fn=SlowCollate({per_batch}, {busy}, {spec.batch_form!r})")
+    elif spec.batch_form != "tuple":
+        args.append(f"collate_fn=SlowCollate(0.0, False, {spec.batch_form!r})")
     return f"        DataLoader({', '.join(args)}),"
 
 
@@ -427,12 +442,12 @@ def _micro_batch(spec: CaseSpec) -> list[str]:
         out.append("            sync = contextlib.nullcontext()")
     if spec.fetch == "each" or len(spec.loaders) == 1:
         out += [
-            f"{ind}batches = [fetch(it, name) for it, name in zip(iters, names)]",
+            f"{ind}batches = [unpack(fetch(it, name)) for it, name in zip(iters, names)]",
             f"{ind}x = torch.cat([b[0] for b in batches])",
             f"{ind}y = torch.cat([b[1] for b in batches])",
         ]
     else:
-        out.append(f"{ind}x, y = fetch(iters[micro % len(iters)], names[micro % len(iters)])")
+        out.append(f"{ind}x, y = unpack(fetch(iters[micro % len(iters)], names[micro % len(iters)]))")
     out.append(f"{ind}TRUTH.samples += len(x)")
     if spec.side and spec.side.where == "before":
         out += [
@@ -527,7 +542,7 @@ VALIDATE_TRAIN = '''def validate(model, batches):
     model.eval()
     with torch.no_grad():
         for _ in range(VAL_BATCHES):
-            x, _ = next(batches)
+            x, _ = unpack(next(batches))
             model(x)
     model.train()
     TRUTH.val_s += clock() - start

@@ -28,6 +28,7 @@ CRITIC_SHARE = 0.15  # of the cases with a second model trained by its own optim
 SCHEDULER_SHARE = 0.3  # of the cases stepping a learning-rate scheduler after each step
 RANK0_VAL_SHARE = 0.5  # of the 2-rank cases with validation, where rank 0 alone validates
 VAL_TRAIN_SHARE = 0.3  # of the cases with validation, where it takes the training loader's next batches
+BATCH_FORM_SHARE = 0.3  # of the cases whose loaders give their batches as a dict, or as per-sample items
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class CaseSpec:
     # >0: the map-style loaders hold this many batches, and an endless generator starts a new epoch (a fresh
     # iterator: its workers start again) whenever one ends, as ``while True: yield from loader`` does
     epoch_batches: int = 0
+    # "tuple": (inputs, targets) as default_collate makes them; "dict": {"inputs": ..., "targets": ...}; "samples":
+    # per-sample items, (inputs one by one, a target dict each), as collate_fn=lambda b: tuple(zip(*b)) makes them
+    batch_form: str = "tuple"
     accum: int = 1  # micro-batches per optimizer step
     forward: Cost | None = None
     backward: Cost | None = None
@@ -133,6 +137,8 @@ class CaseSpec:
             parts.append(f"loader{i}={ld.name}({style},{ld.where},{cost},w{ld.workers})")
         if len(self.loaders) > 1:
             parts.append(f"fetch={self.fetch}")
+        if self.batch_form != "tuple":
+            parts.append(f"batches={self.batch_form}")
         if self.prefetch:
             parts.append("prefetch=thread")
         if self.cycle_batches:
@@ -295,6 +301,9 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
         spec.critic = shapes.choice(("before", "after"))
     spec.scheduler = shapes.random() < SCHEDULER_SHARE
     rank0_val = shapes.random() < RANK0_VAL_SHARE
+    form = random.Random(f"truth:{seed}:{index}:batch-form")
+    if form.random() < BATCH_FORM_SHARE:
+        spec.batch_form = form.choice(("dict", "samples"))
     if spec.optimizer is not None or (spec.straggler and spec.straggler.phase == "optimizer"):
         spec.optimizer_style = rng.choice(("subclass", "wrapper"))
     if rng.random() < 0.3:
