@@ -306,11 +306,23 @@ def run_case(
         result.scores = failed_run(f"own records: {exc} (exit code {rc})")
         return result
     lines = {"checkpoint": script.checkpoint_line, "log": script.log_line}
+    if rescore and path.exists():  # the lines of the script the kept run ran: the template may have moved them since
+        lines = _lines_in(path.read_text(), script.text, lines)
     result.expectation = expect(spec, own, lines)
     result.scores = score_case(summary, result.expectation, path.name)
     if rc != 0:
         result.notes.append(f"exit code {rc}")
     return result
+
+
+def _lines_in(kept: str, current: str, lines: dict[str, int | None]) -> dict[str, int | None]:
+    """``lines`` of the ``current`` script (1-based) where the same text stands in the ``kept`` one."""
+    kept_lines, current_lines = kept.splitlines(), current.splitlines()
+    moved = {}
+    for name, line in lines.items():
+        text = None if line is None else current_lines[line - 1]
+        moved[name] = kept_lines.index(text) + 1 if text in kept_lines else line
+    return moved
 
 
 def redoctored(json_path: Path) -> dict[str, Any]:
