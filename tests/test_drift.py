@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -138,6 +139,44 @@ def test_zero_redundancy_optimizer_is_one_optimizer_step_per_step(tmp_path):
         assert rank.counters["optimizer_steps"] == pytest.approx(1), rank.counters
         assert rank.exit.reason == "stopped", rank.exit
         assert {o["type"] for o in rank.facts["optimizers"]} == {"ZeroRedundancyOptimizer", "Adam"}
+
+
+class Accumulating(torch.optim.Optimizer):
+    """An optimizer wrapper that accumulates (Accelerate's with gradient_accumulation_steps, a trainer's own): the
+    loop calls step() and zero_grad() after every micro-batch; it steps its inner optimizer every ``every``-th."""
+
+    def __init__(self, inner: torch.optim.Optimizer, every: int) -> None:
+        super().__init__(inner.param_groups, inner.defaults)
+        self.inner, self.every, self.micro = inner, every, 0
+
+    def step(self, closure: Any = None) -> None:
+        self.micro += 1
+        if self.micro % self.every == 0:
+            self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.micro % self.every == 0:
+            self.inner.zero_grad(set_to_none)
+
+
+def test_a_wrapper_that_steps_its_optimizer_every_fourth_call_makes_one_step_of_four(tmp_path):
+    # Every call of the wrapper's step closed a step: 4x the script's steps/s, a quarter of its step time each.
+    model = nn.Linear(8, 2)
+    ends = []
+    with hooked(tmp_path, warmup=WARMUP, steps=STEPS) as tracker:
+        optimizer = Accumulating(torch.optim.SGD(model.parameters(), lr=0.01), every=4)  # built under the hooks
+        for micro in itertools.count(1):
+            time.sleep(0.002)  # the micro-batch's work
+            model(torch.randn(16, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if micro % 4 == 0:
+                ends.append(time.perf_counter())
+    summary = tracker.summary()
+    assert summary.counters["optimizer_steps"] == pytest.approx(1.0), summary.counters
+    assert summary.counters["forward_calls"] == pytest.approx(4.0), summary.counters
+    own_step_ms = 1e3 * statistics.fmean(b - a for a, b in itertools.pairwise(ends[WARMUP - 1 : WARMUP + STEPS]))
+    assert summary.phases["total"].mean_ms == pytest.approx(own_step_ms, rel=0.05), summary.phases["total"]
 
 
 # -- stopping after --steps: at the next step's first event --------------------------------------------------------

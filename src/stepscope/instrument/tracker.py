@@ -205,6 +205,8 @@ class Tracker:
         self.boundary: str | None = None
         self.optimizers_created = 0
         self._round: set[int] = set()
+        self._wrappers: dict[int, bool] = {}  # by optimizer id: whether it holds an optimizer it steps
+        self._inner_stepped = False  # an optimizer stepped inside the open optimizer step
         self._closer: int | None = None
         self._backward_pending = False
         self._unstepped_backwards = 0  # backward calls while no optimizer has stepped yet
@@ -575,15 +577,21 @@ class Tracker:
         step (ZeroRedundancyOptimizer steps its local optimizer), whose time and step boundary it is part of."""
         if "optimizer" in self._stack:
             self._see_optimizer(optimizer)  # the local optimizer's settings are the ones the doctor advises on
+            self._inner_stepped = True
             return False
+        self._inner_stepped = False
         self.evals.training(self, self._clock())
         self._enter("optimizer")
         return True
 
     @_guarded
     def optimizer_step_end(self, optimizer: Any) -> None:
-        """After ``optimizer.step``: close the step when this optimizer ends a round."""
+        """After ``optimizer.step``: close the step when this optimizer ends a round. A wrapper whose step stepped
+        no optimizer it holds (one that accumulates: the loop calls its step every micro-batch, and it steps its
+        inner optimizer every N-th) ends nothing: its micro-batches are one step's."""
         self._exit("optimizer")
+        if not self._inner_stepped and self._wraps(optimizer):
+            return
         self._count("optimizer_steps")
         self.boundary = "optimizer.step"
         self._backward_pending = False
@@ -595,6 +603,16 @@ class Tracker:
             self._closer = key
         if key == self._closer:
             self.close_step()
+
+    def _wraps(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` holds another optimizer (``self.optimizer``, ``self.base_optimizer``...)."""
+        key = id(optimizer)
+        wraps = self._wrappers.get(key)
+        if wraps is None:
+            base = sys.modules["torch"].optim.Optimizer
+            held = vars(optimizer).values() if hasattr(optimizer, "__dict__") else ()
+            wraps = self._wrappers[key] = any(isinstance(x, base) and x is not optimizer for x in held)
+        return wraps
 
     def _see_optimizer(self, optimizer: Any) -> None:
         if id(optimizer) not in self._optimizers:
