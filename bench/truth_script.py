@@ -286,10 +286,31 @@ def _net(spec: CaseSpec) -> list[str]:
 
 
 def _optimizer_class(spec: CaseSpec) -> list[str]:
-    """A SGD subclass whose step spends the cost, or an Optimizer wrapping an inner SGD (the Lookahead shape)."""
+    """A SGD subclass whose step spends the cost, an Optimizer wrapping an inner SGD (the Lookahead shape), or one
+    that accumulates."""
+    extra = ["        spend('optimizer', EXTRA_MS)"] if _straggles(spec, "optimizer") else []
+    if spec.optimizer_style == "accumulating":
+        return [
+            "class Accumulating(torch.optim.Optimizer):",
+            '    """An optimizer around another that accumulates (Accelerate\'s shape): the loop calls its step after',
+            '    every micro-batch; it steps the inner one (spending the cost) at every ACCUM-th call."""',
+            "",
+            "    def __init__(self, inner):",
+            "        self.inner, self.calls = inner, 0",
+            "        super().__init__(inner.param_groups, inner.defaults)",
+            "",
+            "    def step(self, closure=None):",
+            "        self.calls += 1",
+            "        if self.calls % ACCUM:",
+            "            return None",
+            f'        spend("optimizer", {_ms(spec.optimizer)})',
+            *extra,
+            "        return self.inner.step(closure)",
+            "",
+            "",
+        ]
     if spec.optimizer is None and not _straggles(spec, "optimizer"):
         return []
-    extra = ["        spend('optimizer', EXTRA_MS)"] if _straggles(spec, "optimizer") else []
     if spec.optimizer_style == "subclass":
         return [
             "class SlowSGD(torch.optim.SGD):",
@@ -405,7 +426,9 @@ def _setup(spec: CaseSpec) -> list[str]:
     if spec.critic:
         out += ["    critic = Critic()", "    critic_opt = torch.optim.SGD(critic.parameters(), lr=0.01)"]
     inner = "torch.optim.SGD(model.parameters(), lr=0.01)"
-    if spec.optimizer is None and not _straggles(spec, "optimizer"):
+    if spec.optimizer_style == "accumulating":
+        out.append(f"    opt = Accumulating({inner})")
+    elif spec.optimizer is None and not _straggles(spec, "optimizer"):
         out.append(f"    opt = {inner}")
     elif spec.optimizer_style == "subclass":
         out.append("    opt = SlowSGD(model.parameters(), lr=0.01)")
@@ -468,6 +491,8 @@ def _micro_batch(spec: CaseSpec) -> list[str]:
         f'{ind}    TRUTH.span("backward", clock() - start)',
         f"{ind}micro += 1",
     ]
+    if spec.optimizer_style == "accumulating":  # stepped after every micro-batch: it steps at every ACCUM-th
+        out += [f"{ind}start = clock()", f"{ind}opt.step()", f'{ind}TRUTH.span("optimizer", clock() - start)']
     return out
 
 
@@ -588,7 +613,8 @@ def write_script(spec: CaseSpec) -> Script:
     inner: list[str] = _micro_batch(spec)
     if spec.critic == "before":
         inner += _critic_update(" " * 8)
-    inner += ["        start = clock()", "        opt.step()", '        TRUTH.span("optimizer", clock() - start)']
+    if spec.optimizer_style != "accumulating":
+        inner += ["        start = clock()", "        opt.step()", '        TRUTH.span("optimizer", clock() - start)']
     if spec.critic == "after":  # its step ends the round: the step
         inner += _critic_update(" " * 8)
     inner += ["        TRUTH.end_step()", "        step += 1"]

@@ -28,6 +28,7 @@ CRITIC_SHARE = 0.15  # of the cases with a second model trained by its own optim
 SCHEDULER_SHARE = 0.3  # of the cases stepping a learning-rate scheduler after each step
 RANK0_VAL_SHARE = 0.5  # of the 2-rank cases with validation, where rank 0 alone validates
 VAL_TRAIN_SHARE = 0.3  # of the cases with validation, where it takes the training loader's next batches
+ACCUMULATING_SHARE = 0.4  # of the cases with accumulation (and no critic), whose optimizer wrapper accumulates
 BATCH_FORM_SHARE = 0.3  # of the cases whose loaders give their batches as a dict, or as per-sample items
 
 
@@ -111,7 +112,9 @@ class CaseSpec:
     forward: Cost | None = None
     backward: Cost | None = None
     optimizer: Cost | None = None
-    optimizer_style: str = "subclass"  # "subclass" of SGD, or "wrapper": an Optimizer wrapping an inner SGD
+    # "subclass" of SGD; "wrapper": an Optimizer wrapping an inner SGD; "accumulating": a wrapper the loop steps after
+    # every micro-batch, which steps its inner SGD every ACCUM-th call (Accelerate's shape)
+    optimizer_style: str = "subclass"
     # "before"/"after": a critic model with its own optimizer, updated every step before or after the model's
     # optimizer step (a GAN's discriminator: one step is one round of both)
     critic: str = ""
@@ -151,7 +154,7 @@ class CaseSpec:
             cost = getattr(self, name)
             if cost is not None:
                 parts.append(f"{name}={cost.describe()}")
-        if self.optimizer is not None:
+        if self.optimizer is not None or self.optimizer_style == "accumulating":
             parts.append(f"optimizer_style={self.optimizer_style}")
         if self.critic:
             parts.append(f"critic={self.critic}")
@@ -322,6 +325,9 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
         spec.bg_load = rng.choice((1, 2))
     if load:
         spec.bg_load = 2
+    accumulating = random.Random(f"truth:{seed}:{index}:accumulating").random() < ACCUMULATING_SHARE
+    if accumulating and spec.accum > 1 and not spec.critic:
+        spec.optimizer_style = "accumulating"
     return spec
 
 
