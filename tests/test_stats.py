@@ -273,3 +273,15 @@ def test_recorder_series_includes_warmup_steps_and_reaches_the_summary():
     summary = summarize(recorder, "host")
     assert summary.series == StepSeries(stride=1, step_ms=[50.0, 40.0, 10.0, 10.0, 10.0])
     assert summary.steps.warmup == 2
+
+
+def test_a_fold_of_steps_with_other_phases_of_the_same_count_keeps_each_phases_values():
+    # The fold reads every row's phases by the first row's keys when all rows hold as many: a row holding another
+    # phase in place of one of the first's must still give each phase its own values, in step order.
+    from stepscope.record import _columns
+
+    rows = [{"forward": 1, "backward": 2}, {"forward": 3, "eval": 4}, {"forward": 5, "backward": 6}]
+    assert _columns(rows, {"forward", "backward", "eval"}) == {"forward": [1, 3, 5], "backward": [2, 6], "eval": [4]}
+    same = [{"forward": 1, "other": 2}, {"other": 3, "forward": 4}]
+    assert _columns(same, {"forward", "other"}) == {"forward": [1, 4], "other": [2, 3]}
+    assert _columns([], {"forward"}) == {}
