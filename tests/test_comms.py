@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from run_helpers import script, stepscope_run, torchrun
+from run_helpers import free_port, script, stepscope_run, torchrun
 from test_merge import rank as merge_rank
 
 from stepscope.doctor.checkup import examine
@@ -206,6 +206,21 @@ def test_doctor_blames_the_slow_loader_of_rank_1_not_rank_0s_wait(tmp_path):
     job_ms = s.phases["total"].mean_ms
     assert s.fixes[0].gain_bound == pytest.approx(min(1.0, excess / job_ms), abs=2e-4)
     assert re.search(r"^verdict: data \(confidence (high|medium)\)", r.stdout, re.MULTILINE), r.describe()
+
+
+def test_ranks_started_by_multiprocessing_spawn_are_the_jobs_ranks(tmp_path):
+    # torch.multiprocessing.spawn: no launcher variables name the ranks, and each destroys its process group before
+    # it exits. Both ranks reported rank "?" beside the script's own process, which trained nothing: "3 of 3 ranks,
+    # missing 1-2", 0 measured steps, and the verdict unknown.
+    r = stepscope_run(tmp_path, script("spawned.py"), "--port", str(free_port()), warmup=3, steps=15, timeout=180)
+    assert r.returncode == 0, r.describe()
+    s = r.summary
+    assert sorted((x.meta.rank, x.meta.world_size) for x in s.ranks) == [(0, 2), (1, 2)], r.describe()
+    assert s.steps.measured == 15 and all(x.steps.measured == 15 for x in s.ranks), r.describe()
+    assert not any("no training step" in note for note in s.notes), s.notes
+    # The job's samples are both ranks' batches of 8 a step.
+    assert s.throughput.samples_per_s == pytest.approx(16 * s.throughput.steps_per_s, rel=0.02), s.throughput
+    assert "ranks: 2 of 2 reported" in r.stdout, r.describe()
 
 
 def test_one_ranks_side_work_every_step_stays_in_its_step_and_the_job_rate_is_the_jobs(tmp_path):

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stepscope.instrument.collect import RANK_FILES
 from stepscope.instrument.identity import identify, summary_name
 from stepscope.summary import Exit
 
@@ -260,12 +261,23 @@ def _write(tracker: Any, final: bool) -> None:
     is_script = not config.launcher and os.getppid() == config.parent_pid
     if not (tracker.trained or is_script):
         return  # a launcher, a loader worker, a compile worker: nothing to say
+    if not tracker.trained and _others_wrote(Path(config.out_dir)):
+        # The script started the processes that trained (torch.multiprocessing.spawn): it launched the ranks and is
+        # none of them; the checkpoint it may have written goes too
+        (Path(config.out_dir) / summary_name(identify())).unlink(missing_ok=True)
+        return
     shielded = _ignore_exit_signals() if final else {}
     try:
         _write_summary(tracker, final)
     finally:
         for signum, handler in shielded.items():
             signal.signal(signum, handler)
+
+
+def _others_wrote(out: Path) -> bool:
+    """Whether another process of the run wrote its summary into ``out``."""
+    own = f"-pid{os.getpid()}.json"
+    return any(not path.name.endswith(own) for path in out.glob(RANK_FILES))
 
 
 def _ignore_exit_signals() -> dict[int, Any]:

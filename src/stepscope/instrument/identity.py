@@ -43,8 +43,13 @@ def _env_int(names: tuple[str, ...], env: dict[str, str]) -> int | None:
     return None
 
 
+_seen: list[tuple[int, int]] = []  # what torch.distributed said last, while it was initialised
+
+
 def _from_torch() -> tuple[int, int] | None:
-    """(rank, world size) from torch.distributed when this process initialised it; None otherwise."""
+    """(rank, world size) from torch.distributed when this process initialised it, or what it said while it was
+    (a script that destroys its process group before it exits, as ranks started by torch.multiprocessing.spawn
+    do, whose environment names no rank); None otherwise."""
     import sys
 
     if "torch.distributed" not in sys.modules:
@@ -53,10 +58,10 @@ def _from_torch() -> tuple[int, int] | None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:  # a process group being torn down: fall back to the launcher's word
-        return None
-    return None
+            _seen[:] = [(dist.get_rank(), dist.get_world_size())]
+    except Exception:  # a process group being torn down: what it said before, else the launcher's word
+        pass
+    return _seen[0] if _seen else None
 
 
 def job_id(env: dict[str, str]) -> str | None:
