@@ -236,11 +236,12 @@ def _rank_gaps(own: list[OwnFigures], step: float) -> dict[str, tuple[int, float
 
 
 def _shown_straggler(spec: CaseSpec, own: list[OwnFigures]) -> StragglerSpec | None:
-    """The case's straggler, unless its loaders' prefetcher threads hid a slow rank's loader: its training thread
-    then waits for data no longer than the other rank's (by less than STRAGGLER_GAP of its step), and there is no
-    straggler to find."""
+    """The case's straggler, unless a slow rank's loader was hidden (its prefetcher threads fetch beside the steps;
+    itertools.cycle replays the batches of its first pass, fetched in the warm-up): its training thread then waits
+    for data no longer than the other rank's (by less than STRAGGLER_GAP of its step), and there is no straggler to
+    find."""
     s = spec.straggler
-    if s is None or not (spec.prefetch and s.phase == "data_wait"):
+    if s is None or s.phase != "data_wait":
         return s
     lead = next(o for o in own if o.rank == s.rank)
     excess = lead.phases["data_wait"] - min(o.phases["data_wait"] for o in own)
