@@ -150,6 +150,20 @@ def test_no_io_bound_when_anyone_works():
     assert ids(system([device()], cpu_util_pct=5.0, workers_cpu_util_pct=0.0)) == []
 
 
+def test_no_io_bound_when_the_loader_waits_for_a_cpu_rather_than_for_storage():
+    # Seed 2039's c028 beside a busy loop per core: one computing worker ran 29% of the time and waited for a CPU
+    # 28% (152 µs a wait: 19% beyond waking up's latency); the main thread ran 26% and waited 20%. Taken for storage,
+    # the loader got "stage the data on NVMe" as the first fix.
+    starved = {"cpu_util_pct": 25.6, "workers_cpu_util_pct": 29.3, "workers_max": 1, "workers_busy_avg": 0.92}
+    delays = {"run_delay_workers_pct": 28.4, "run_delay_main_thread_pct": 20.4}
+    slow = {"run_delay_workers_per_wait_us": 151.7, "run_delay_main_thread_per_wait_us": 126.6}
+    assert "io_bound" not in ids(system(None, **starved, **delays, **slow))
+    # The same delays in waits of 20 µs are waking up's latency alone: a loader sleeping on reads.
+    quick = {"run_delay_workers_per_wait_us": 20.0, "run_delay_main_thread_per_wait_us": 20.0}
+    reading = {**starved, "workers_cpu_util_pct": 10.0}
+    assert "io_bound" in ids(system(None, **reading, **delays, **quick))
+
+
 def test_host_signals_need_to_know_the_gpu_state():
     # CUDA in use (device memory known) but NVML unavailable: whether the GPU waited is unknown.
     unknown = system(None, cpu_util_pct=5.0, workers_cpu_util_pct=0.0)
