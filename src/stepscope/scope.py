@@ -526,13 +526,7 @@ class Scope:
         t1 = self._clock()
         if get_ident() != self._thread and not self._claim("step"):
             return
-        # _record_step, inline: one call less on the step's path
-        if batch_size is not None and not (type(batch_size) is int and batch_size >= 0):
-            batch_size = self._checked_batch(batch_size)
-        try:
-            self._close_step(t1, batch_size)
-        except Exception as error:
-            self._fail(error)
+        self._record_step(t1, batch_size)
         if self._step_start_ns == t1 and not self._depth:  # not where a trace export or a pass moved the start
             self._add_own(self._clock() - t1)  # closing the step: the next step holds it as stepscope's time
 
