@@ -60,7 +60,7 @@ def _counts(item: Any, depth: int, Tensor: type) -> list[int]:
         return [int(item.shape[0])] if item.dim() >= 1 else []
     if depth >= 3 or isinstance(item, (str, bytes)):
         return []
-    if isinstance(item, Mapping):
+    if isinstance(item, (dict, Mapping)):  # dict first: a dict skips the ABC's slower check
         return _agreed([_counts(x, depth + 1, Tensor) for x in item.values()])
     if is_dataclass(item) and not isinstance(item, type):
         return _agreed([_counts(getattr(item, f.name), depth + 1, Tensor) for f in fields(item)])
@@ -72,9 +72,10 @@ def _counts(item: Any, depth: int, Tensor: type) -> list[int]:
     # dimension, which tensors of different first dimensions cannot be) or one item per sample (its length); the
     # other fields tell which. Plain values (ids, file names) tell nothing: a batch of them alone has no samples/s.
     if all(map(isinstance, item, (Tensor,) * len(item))):
-        firsts = {int(x.shape[0]) for x in item if x.dim() >= 1}
-        return [*firsts, len(item)] if len(firsts) == 1 else [len(item)]
-    return [len(item)] if _agreed([_counts(x, depth + 1, Tensor) for x in item]) else []
+        firsts = {x.shape[0] for x in item if x.dim() >= 1}
+        return [int(firsts.pop()), len(item)] if len(firsts) == 1 else [len(item)]
+    # per-sample items are alike: the first tells (each is walked on every fetch)
+    return [len(item)] if _counts(item[0], depth + 1, Tensor) else []
 
 
 def _agreed(options: list[list[int]]) -> list[int]:
