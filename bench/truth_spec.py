@@ -288,7 +288,9 @@ def draw_case(seed: int, index: int, ranks_share: float = 0.15, load: bool = Fal
     spec.prefetch = prefetch and spec.cause != "oversubscribed"
     cycle = random.Random(f"truth:{seed}:{index}:cycle")
     finite = not any(ld.iterable for ld in spec.loaders)  # an endless stream's first pass never ends
-    if cycle.random() < CYCLE_SHARE and finite and not spec.prefetch and spec.cause != "oversubscribed":
+    # Not with a data cause either: the measured steps would never fetch, and the cause never show.
+    shown = spec.cause not in ("oversubscribed", "data", "straggler:data_wait")
+    if cycle.random() < CYCLE_SHARE and finite and not spec.prefetch and shown:
         # The pass ends in the warm-up (its first 1-4 steps): every measured step replays kept batches. A step
         # that fetches some of its batches and replays others reads its samples short (docs/run.md, limits).
         per_step = spec.accum if spec.fetch == "each" else spec.accum / len(spec.loaders)
