@@ -409,14 +409,16 @@ class Tracker:
             self._step_samples += samples  # a validation pass's batches are not the step's
             self._count("batches")
         if state is not None:
-            if batch is not None and not state.info.tensors_per_batch:
-                state.info.tensors_per_batch = len(batch_tensors(batch))
-            self._count_fetch(state, t0, now, samples, batch is not None, exhausted, in_pass)
+            self._count_fetch(state, t0, now, samples, batch, exhausted, in_pass)
 
     def _count_fetch(
-        self, state: _LoaderState, t0: int, now: int, samples: int, got: bool, exhausted: bool, in_pass: bool
+        self, state: _LoaderState, t0: int, now: int, samples: int, batch: Any, exhausted: bool, in_pass: bool
     ) -> None:
-        """A loader's fetch from ``t0`` to ``now`` (ns) into its figures: a batch of ``samples`` when ``got``."""
+        """A loader's fetch from ``t0`` to ``now`` (ns) into its figures: a batch of ``samples`` unless ``batch`` is
+        None."""
+        got = batch is not None
+        if got and not state.info.tensors_per_batch:  # its first batch's (a walk of the batch: once)
+            state.info.tensors_per_batch = len(batch_tensors(batch))
         state.info.fetch_s += (now - t0) / 1e9
         if in_pass:
             state.info.eval_fetch_s += (now - t0) / 1e9
@@ -466,9 +468,7 @@ class Tracker:
         self._elsewhere_samples += samples
         state = self._iterators.get(iterator)
         if state is not None:
-            if batch is not None and not state.info.tensors_per_batch:
-                state.info.tensors_per_batch = len(batch_tensors(batch))
-            self._count_fetch(state, t0, self._clock(), samples, batch is not None, batch is None, in_pass=False)
+            self._count_fetch(state, t0, self._clock(), samples, batch, batch is None, in_pass=False)
 
     @_guarded
     def forward_begin(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
