@@ -599,6 +599,34 @@ def bursty_fetches_in_long_epochs() -> Case:
     return Case(summary)
 
 
+def accumulating_from_one_worker(burst_s: float) -> Case:
+    """A loader with 1 worker (prefetch_factor 2) that each of 30 steps takes 4 batches from: 60 fetches past the
+    buffer waited ``burst_s`` in all, the 60 it served 0.06 s; the step's wait steady step to step (its data_wait
+    sums each step's fetches)."""
+    one = loader(num_workers=1, batches=120)
+    one.fetch_s, one.burst_fetches, one.burst_fetch_s = 0.06 + burst_s, 60, burst_s
+    steady = {"data_wait": {"median_ms": 28.0, "p95_ms": 35.0}}
+    return Case(make_summary(PREFETCH_PHASES, loaders=[one], stats=steady))
+
+
+@positive(
+    "loader.prefetch",
+    0.24,  # the data wait's 30% times the 0.24 s of the 0.30 s the steps waited on the loader
+    "loader 0 (ToyDataset): a step takes 4.0 batches from it at once, and its 1 worker(s) hold 2 ready "
+    "(prefetch_factor=2): a fetch past those waited 4.0 ms, one the buffer served 1.0 ms",
+)
+def accumulation_waits_past_the_buffer() -> Case:
+    # Seed 2039's c003 (beside busy loops): 4 micro-batches a step from loaders with one worker each; each step's
+    # last two were made while it waited: data 52% of the step, and no loader fix.
+    return accumulating_from_one_worker(0.24)
+
+
+@negative("loader.prefetch")
+def accumulation_of_free_batches() -> Case:
+    # Past the buffer, the fetches wait what a hand-over takes (a free loader's): a deeper buffer saves nothing.
+    return accumulating_from_one_worker(0.072)
+
+
 @positive("loader.too_many_workers", None, "loader 0 (ToyDataset): 8 workers × 1 rank(s) for 4 cgroup quota")
 def workers_over_quota() -> Case:
     return Case(healthy(loaders=[loader(num_workers=8)], facts={"threads": threads_fact(cpu_quota=4.0)}, world_size=1))

@@ -215,6 +215,10 @@ class LoaderInfo:
     eval_batches: int = 0  # of ``batches``, fetched inside validation passes
     eval_fetch_s: float = 0.0  # of ``fetch_s``, inside validation passes
     tensors_per_batch: int = 0  # tensors in its first batch (up to 64): each crosses from a worker process apart
+    # of a step's fetches outside validation passes, those past the batches its workers hold ready (num_workers ×
+    # prefetch_factor; gradient accumulation takes several a step): how many, and their wait (s)
+    burst_fetches: int = 0
+    burst_fetch_s: float = 0.0
 
     @property
     def step_fetch_s(self) -> float:

@@ -64,6 +64,10 @@ MIN_STALL_SHARE = 0.02  # epoch-start stalls below this share of epoch time are 
 BURSTY_MEDIAN = 0.2  # median fetch below this fraction of the mean ...
 RESTART_TAIL_BATCHES = 20  # epochs this short put their first fetch (1 in 20 or more) in the fetch times' p95
 BURSTY_P95 = 4.0  # ... and p95 above this multiple of the median: bimodal (buffer hits vs blocking on workers)
+# A fetch past the batches the workers hold ready that waits this many times one the buffer served, and this much
+# longer, waited for its batch to be made (a free loader's fetches are all its hand-over, alike)
+BURST_WAIT_RATIO = 2.0
+BURST_WAIT_MIN_MS = 0.5
 MIN_HOST_SHARE = 0.30  # GPU idle outside data waits: launch-bound from here
 AMPERE = (8, 0)
 HEADROOM = 0.5  # peak memory below this share of the device: room to spare
@@ -574,7 +578,9 @@ def _batched_tensors(case: Case) -> Finding | None:
     "loader.prefetch",
     "Prefetch deeper: the fetch times are bursty",
     "Most batches come straight from the prefetch buffer while some block on a worker: the buffer runs dry when "
-    "a few slow batches arrive together. A deeper buffer (or more workers) absorbs the bursts.",
+    "a few slow batches arrive together, or when a step takes more batches at once than the workers hold ready "
+    "(num_workers × prefetch_factor; gradient accumulation takes several). A deeper buffer (or more workers) "
+    "absorbs the bursts.",
     "DataLoader(..., prefetch_factor=4) (default 2), or more workers",
     "config",
 )
@@ -584,10 +590,10 @@ def _prefetch(case: Case) -> Finding | None:
     data = case.share("data_wait")
     if stats is None or not loaders or data < MIN_DATA_SHARE:
         return None
+    shares = loader_shares(case)
     bimodal = stats.median_ms < BURSTY_MEDIAN * stats.mean_ms and stats.p95_ms > BURSTY_P95 * max(stats.median_ms, 0.05)
     if not bimodal:
-        return None
-    shares = loader_shares(case)
+        return _burst_prefetch(case, loaders, shares)
     loader = max(loaders, key=lambda x: shares.get(x.index, 0.0))
     if _restarts_in_tail(case, loader):
         return None
@@ -600,6 +606,41 @@ def _prefetch(case: Case) -> Finding | None:
     full = cores is not None and loader.num_workers * case.local_ranks() >= cores  # no core for another worker
     how = f"DataLoader(..., prefetch_factor={max(4, 2 * factor)})" + ("" if full else " or more workers")
     return Finding(evidence, data, "at most the time spent waiting for data", how=how)
+
+
+def _burst_prefetch(case: Case, loaders: list[LoaderInfo], shares: dict[int, float]) -> Finding | None:
+    """``loader.prefetch`` for loaders a step takes more batches from at once than their workers hold ready, whose
+    fetches past those waited for batches to be made: measurably longer than the fetches the buffer served (a free
+    loader's are all its hand-over, and a deeper buffer saves nothing). The per-step data_wait sums a step's fetches,
+    so such bursts do not show as bimodal step times."""
+    bursts: dict[int, tuple[float, float, float]] = {}  # index: (share of the step, burst ms, ready ms)
+    for x in loaders:
+        ready = x.batches - x.eval_batches - x.burst_fetches
+        if not x.burst_fetches or ready <= 0 or x.step_fetch_s <= 0:
+            continue
+        burst_ms = 1e3 * x.burst_fetch_s / x.burst_fetches
+        ready_ms = 1e3 * max(x.step_fetch_s - x.burst_fetch_s, 0.0) / ready
+        share = shares.get(x.index, 0.0) * x.burst_fetch_s / x.step_fetch_s
+        if burst_ms >= BURST_WAIT_RATIO * ready_ms + BURST_WAIT_MIN_MS and share >= MIN_GAIN:
+            bursts[x.index] = (share, burst_ms, ready_ms)
+    share = sum(b[0] for b in bursts.values())
+    if share < MIN_DATA_SHARE:
+        return None
+    loader = max((x for x in loaders if x.index in bursts), key=lambda x: bursts[x.index][0])
+    _, burst_ms, ready_ms = bursts[loader.index]
+    steps = case.summary.steps.warmup + case.summary.steps.measured
+    per_step = (loader.batches - loader.eval_batches) / max(steps, 1)
+    factor = loader.prefetch_factor or 2
+    deeper = max(math.ceil(per_step / loader.num_workers), 2 * factor)
+    evidence = [
+        f"loader {loader.index} ({loader.dataset}): a step takes {per_step:.1f} batches from it at once, and its "
+        f"{loader.num_workers} worker(s) hold {loader.num_workers * factor} ready (prefetch_factor={factor}): "
+        f"a fetch past those waited {burst_ms:.1f} ms, one the buffer served {ready_ms:.1f} ms",
+        f"the waits past the buffer are {pct(share)} of the step ({share * case.ms(TOTAL):.1f} ms of "
+        f"{case.ms(TOTAL):.1f} ms)",
+    ]
+    how = f"DataLoader(..., prefetch_factor={deeper}) for each loader a step takes several batches from"
+    return Finding(evidence, share, "at most the waits past the buffer", how=how, apply=f"loader.prefetch={deeper}")
 
 
 def _restarts_in_tail(case: Case, loader: LoaderInfo) -> bool:

@@ -123,6 +123,8 @@ class _LoaderState:
     epoch_stall_ns: int | None = None
     epoch_open: bool = False
     done: list[Epoch] = field(default_factory=list)
+    step_at: int = -1  # the step its last fetch was in (the recorder's count of steps seen then)
+    step_fetches: int = 0  # its batches fetched in that step, outside validation passes
 
 
 def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -410,6 +412,8 @@ class Tracker:
             self._count("batches")
         if state is not None:
             self._count_fetch(state, t0, now, samples, batch, exhausted, in_pass)
+            if batch is not None and not in_pass and state.info.num_workers:
+                self._count_burst(state, now - t0)
 
     def _count_fetch(
         self, state: _LoaderState, t0: int, now: int, samples: int, batch: Any, exhausted: bool, in_pass: bool
@@ -432,6 +436,18 @@ class Tracker:
             state.epoch_samples += samples
         if exhausted and state.epoch_open:
             self._end_epoch(state, complete=True)
+
+    def _count_burst(self, state: _LoaderState, wait_ns: int) -> None:
+        """A batch of a loader with workers fetched by the steps' thread: past the batches its workers hold ready, a
+        fetch waits for one to be made (a burst, which the per-step data_wait does not show)."""
+        step = self.scope._recorder.steps_seen
+        if state.step_at != step:
+            state.step_at, state.step_fetches = step, 0
+        info = state.info
+        if state.step_fetches >= info.num_workers * (info.prefetch_factor or 2):
+            info.burst_fetches += 1
+            info.burst_fetch_s += wait_ns / 1e9
+        state.step_fetches += 1
 
     # A loader iterated on a thread other than the steps' (a prefetcher that hands batches over through a queue):
     # its epochs, batches and samples are counted, and a step that got no batch (through a queue) takes the samples
