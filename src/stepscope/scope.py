@@ -334,13 +334,7 @@ class _TimedIterable:
                 # The fetch that ends an epoch (worker shutdown) still cost the next step time.
                 scope._add(DATA_PHASE, clock() - t0)
                 return
-            elapsed = clock() - t0
-            if scope._depth:
-                scope._add(DATA_PHASE, elapsed)
-            else:  # Scope._add at depth 0, inline: a fetch a step
-                current = scope._current
-                current[DATA_PHASE] = current.get(DATA_PHASE, 0) + elapsed
-                scope._claimed_ns += elapsed
+            scope._add(DATA_PHASE, clock() - t0)
             yield item
 
 
@@ -749,14 +743,7 @@ class Scope:
             _absorb(record, side)  # this step's stretch recurs too: it stays in the step
             side = []
         if recorder.add(record, hold=bool(side) and recorder.measuring):
-            window = self._window  # _widen, inline: the step's path
-            if window is None:
-                self._window = [t0 - cut, t1]
-            else:
-                if t0 - cut < window[0]:
-                    window[0] = t0 - cut
-                if t1 > window[1]:
-                    window[1] = t1
+            self._widen(t0 - cut, t1)
             device = self._device
             device.close_step(record)
             if device.pending_steps:
